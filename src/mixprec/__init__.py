@@ -1,0 +1,27 @@
+"""mixprec: automatic mixed precision for PyTorch.
+
+Levels O0-O3 and a per-op ``autocast`` level, with casts placed in the model ahead of
+time and a cast plan you can read before running; a training step with loss scaling
+that says when and why it skipped.
+"""
+
+from mixprec.convert.api import (
+    auto_mixed_precision,
+    custom_mixed_precision,
+    get_black_list,
+    get_white_list,
+)
+from mixprec.convert.plan import CastPlan, explain
+from mixprec.levels import Level
+
+__all__ = [
+    "CastPlan",
+    "Level",
+    "auto_mixed_precision",
+    "custom_mixed_precision",
+    "explain",
+    "get_black_list",
+    "get_white_list",
+]
+
+__version__ = "0.1.0"

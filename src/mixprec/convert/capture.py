@@ -1,0 +1,125 @@
+"""Capture a model's graph with ``torch.fx``, tracing through every module it can.
+
+:class:`CaptureTracer` traces into every submodule. When a submodule's ``forward`` cannot
+be traced (data-dependent control flow, unsupported Python), the nodes it had emitted are
+rolled back and the call is recorded as a single ``call_module`` leaf instead; the reason
+is kept for the cast plan. Tracing failures are never the user's problem: at worst the
+whole model becomes a leaf and is handled at run time.
+
+Transformer fast paths (``torch.backends.mha``) are switched off while tracing: they are
+inference-only shortcuts guarded by checks on tensor values, and the traced graph takes
+the equivalent general path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from mixprec import ops
+
+__all__ = ["CaptureTracer", "capture"]
+
+
+class CaptureTracer(fx.Tracer):
+    """An fx tracer that treats only untraceable (or forced) modules as leaves.
+
+    Args:
+        autowrap_functions: user functions to keep as single calls in the graph.
+        leaf: ``(module, qualified_name) -> bool``: modules to keep as leaves without
+            trying to trace them.
+    """
+
+    def __init__(
+        self,
+        autowrap_functions: tuple[Callable[..., Any], ...] = (),
+        leaf: Callable[[nn.Module, str], bool] | None = None,
+    ) -> None:
+        super().__init__(autowrap_functions=(ops.cast, ops.widest_dtype, *autowrap_functions))
+        self.leaf = leaf
+        self.untraceable: dict[str, str] = {}
+        self._proxy_cache: dict[str, fx.Proxy] | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.untraceable:
+            return True
+        return self.leaf is not None and self.leaf(m, module_qualified_name)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        self._proxy_cache = parameter_proxy_cache
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def call_module(
+        self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        name = self.path_of_module(m)
+        if self.is_leaf_module(m, name):
+            return super().call_module(m, forward, args, kwargs)
+        last = _last_node(self.graph)
+        stack = self.module_stack.copy()
+        calls = dict(self.num_calls)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as error:  # any failure to trace makes this module a leaf
+            self._roll_back(last)
+            self.module_stack.clear()
+            self.module_stack.update(stack)
+            self.num_calls.clear()
+            self.num_calls.update(calls)
+            self.untraceable[name] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            return super().call_module(m, forward, args, kwargs)
+
+    def _roll_back(self, last: fx.Node | None) -> None:
+        doomed: list[fx.Node] = []
+        for node in reversed(self.graph.nodes):
+            if node is last:
+                break
+            doomed.append(node)
+        erased = set(doomed)
+        for node in doomed:
+            self.graph.erase_node(node)
+        if self._proxy_cache is not None:
+            for key in [k for k, proxy in self._proxy_cache.items() if proxy.node in erased]:
+                del self._proxy_cache[key]
+
+
+def _last_node(graph: fx.Graph) -> fx.Node | None:
+    for node in reversed(graph.nodes):
+        return node
+    return None
+
+
+@contextlib.contextmanager
+def _no_transformer_fastpath() -> Iterator[None]:
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None or not hasattr(mha, "set_fastpath_enabled"):
+        yield
+        return
+    before = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(before)
+
+
+def capture(
+    root: nn.Module,
+    autowrap_functions: tuple[Callable[..., Any], ...] = (),
+    leaf: Callable[[nn.Module, str], bool] | None = None,
+) -> tuple[fx.Graph, dict[str, str]]:
+    """Trace ``root``; returns the graph and ``{qualified_name: reason}`` for leaves made
+    because their forward could not be traced.
+
+    Raises:
+        Exception: whatever tracing ``root``'s own forward raised (the caller then handles
+            the whole model at run time).
+    """
+    tracer = CaptureTracer(autowrap_functions, leaf)
+    with _no_transformer_fastpath():
+        graph = tracer.trace(root)
+    return graph, tracer.untraceable

@@ -1,0 +1,103 @@
+"""Cast insertion for O1 and the autocast level.
+
+Each op of the graph gets a precision from :meth:`mixprec.levels.Recipe.decide` and its
+floating inputs are cast accordingly:
+
+* LOW: floating inputs (weights included) cast to the low dtype; under O1 the result is
+  cast back to float32 right after the op (MindSpore's insertion; :mod:`simplify` removes
+  the round trips this creates between consecutive low-precision ops);
+* FP32: low inputs cast up to float32;
+* PROMOTE: every floating input cast to the widest floating input type, found at run time;
+* FOLLOW: nothing.
+
+Casts are :func:`mixprec.ops.cast` calls, tagged in ``node.meta["mixprec_cast"]`` with
+where they were inserted ("before" an op, "after" it, or at the "output").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+
+from mixprec import ops
+from mixprec.convert.infer import Info
+from mixprec.levels import Level, Precision, Recipe
+
+__all__ = ["CAST_TAG", "PRECISION_TAG", "insert_casts", "is_helper"]
+
+CAST_TAG = "mixprec_cast"
+PRECISION_TAG = "mixprec_precision"
+
+
+def is_helper(node: Any) -> bool:
+    """True for nodes mixprec inserted (casts and widest-dtype lookups)."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in (ops.cast, ops.widest_dtype)
+
+
+def _is_inplace(node: fx.Node) -> bool:
+    name = ops.op_name(node.target) if node.op != "call_module" else ""  # type: ignore[arg-type]
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _cast_before(graph: fx.Graph, node: fx.Node, dtype: torch.dtype | fx.Node, infos: dict[fx.Node, Info]) -> None:
+    def rewrite(arg: fx.Node) -> fx.Node:
+        if infos.get(arg, Info("unknown")).kind == "other":
+            return arg
+        with graph.inserting_before(node):
+            cast = graph.call_function(ops.cast, (arg, dtype))
+        cast.meta[CAST_TAG] = "before"
+        return cast
+
+    node.args = fx.node.map_arg(node.args, rewrite)
+    node.kwargs = fx.node.map_arg(node.kwargs, rewrite)
+
+
+def _cast_after(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> None:
+    with graph.inserting_after(node):
+        cast = graph.call_function(ops.cast, (node, dtype))
+    cast.meta[CAST_TAG] = "after"
+    node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+
+
+def insert_casts(
+    graph: fx.Graph,
+    recipe: Recipe,
+    decide: Callable[[fx.Node], Precision],
+    infos: dict[fx.Node, Info],
+    output_dtype: torch.dtype | None,
+) -> None:
+    """Insert the casts every op's precision needs, in place.
+
+    Args:
+        graph: the captured graph.
+        recipe: the level's recipe.
+        decide: the precision of one call node (the caller knows module scopes and leaves).
+        infos: static dtype facts about the nodes (see :mod:`mixprec.convert.infer`).
+        output_dtype: cast the graph's floating outputs to this (None: leave them).
+    """
+    for node in list(graph.nodes):
+        if node.op not in ("call_function", "call_method", "call_module") or is_helper(node):
+            continue
+        precision = Precision.FOLLOW
+        if infos.get(node, Info("unknown")).kind != "other" and not _is_inplace(node):
+            precision = decide(node)
+        node.meta[PRECISION_TAG] = precision
+        if precision is Precision.LOW:
+            _cast_before(graph, node, recipe.dtype, infos)
+            if recipe.level is Level.O1:
+                _cast_after(graph, node, torch.float32)
+        elif precision is Precision.FP32:
+            _cast_before(graph, node, torch.float32, infos)
+        elif precision is Precision.PROMOTE:
+            with graph.inserting_before(node):
+                widest = graph.call_function(ops.widest_dtype, (node.args, node.kwargs))
+            _cast_before(graph, node, widest, infos)
+    if output_dtype is not None:
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        _cast_before(graph, output, output_dtype, infos)
+        for user in output.all_input_nodes:
+            if user.meta.get(CAST_TAG) == "before":
+                user.meta[CAST_TAG] = "output"

@@ -1,0 +1,273 @@
+"""Module-level mixed precision (O2, O3, and whole low-precision units inside O1 graphs).
+
+A converted module is a structural copy of the original (same classes, same Parameter
+objects) whose ``forward`` is replaced, on the instance, by :class:`CastAtUseForward`:
+
+1. floating inputs are cast to the low dtype;
+2. every floating Parameter and buffer that computes in low precision is cast **once**
+   and swapped into the tree for the duration of the call (a tied weight is cast once
+   and used everywhere); the stored tensors keep their dtype and identity, so gradients
+   reach the float32 Parameters and an optimizer built before conversion keeps working;
+3. modules that run in float32 (norms on the black list, modules pinned to float32) have
+   their inputs cast up and their outputs cast back down by hooks on the copy; batch and
+   instance norms that compute in low precision (O3) keep float32 weights and running
+   statistics, which their kernels take with a low-precision input;
+4. the stored tensors are put back whatever happens, and a buffer the forward updated in
+   place by a tensor method (its version counter moved) is written back in float32;
+5. floating outputs are cast to float32.
+
+With gradients off (inference), weight casts are cached and reused until the weight
+changes (its version counter or storage), so repeated inference calls cast nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec import lists
+from mixprec.convert.plan import CastPlan, Conversion, PlanRow, dtype_name
+from mixprec.convert.structure import CONVERSION_ATTR, structural_copy
+from mixprec.dtypes import is_castable
+from mixprec.levels import Precision, Recipe
+from mixprec.ops import cast_tree
+
+__all__ = ["CastAtUseForward", "convert_module_level", "make_low_unit"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A Parameter or buffer that computes in low precision: ``owner.<name>``."""
+
+    owner: nn.Module
+    name: str
+    is_buffer: bool
+    path: str
+
+    def table(self) -> dict[str, Any]:
+        return self.owner._buffers if self.is_buffer else self.owner._parameters
+
+
+# (the dict a tensor was swapped in, its name, the stored tensor, the low copy, the copy's
+# version when swapped in: None for Parameters, which are never written back)
+_Swapped = tuple[dict[str, Any], str, torch.Tensor, torch.Tensor, "int | None"]
+
+
+class CastAtUseForward:
+    """The ``forward`` of a module converted at module level (set on the instance).
+
+    Calls the module's own ``forward`` with floating inputs cast to ``dtype`` and its
+    low-precision Parameters and buffers swapped for copies cast once per call.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        dtype: torch.dtype,
+        slots: tuple[Slot, ...],
+        output_dtype: torch.dtype | None,
+    ) -> None:
+        self.module = module
+        self.dtype = dtype
+        self.slots = slots
+        self.output_dtype = output_dtype
+        self.inner: Callable[..., Any] | None = module.__dict__.get("forward")
+        self.recurrent = tuple({id(s.owner): s.owner for s in slots if isinstance(s.owner, nn.RNNBase)}.values())
+        self._cache: dict[int, tuple[tuple[int, int, torch.device], torch.Tensor]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_cache"] = {}
+        return state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = cast_tree((args, kwargs), self.dtype)
+        swapped = self._swap_in()
+        try:
+            if self.inner is not None:
+                out = self.inner(*args, **kwargs)
+            else:
+                out = type(self.module).forward(self.module, *args, **kwargs)
+        finally:
+            self._swap_out(swapped)
+        return out if self.output_dtype is None else cast_tree(out, self.output_dtype)
+
+    def clear_cache(self) -> None:
+        """Forget the cached inference-time weight casts."""
+        self._cache.clear()
+
+    # ------------------------------------------------------------------ internals
+    def _low(self, tensor: torch.Tensor) -> torch.Tensor:
+        reusable = not (torch.is_grad_enabled() and tensor.requires_grad)
+        if not reusable or torch.compiler.is_compiling():
+            return tensor.to(self.dtype)
+        key = (_version(tensor), tensor.data_ptr(), tensor.device)
+        hit = self._cache.get(id(tensor))
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        low = tensor.detach().to(self.dtype)
+        self._cache[id(tensor)] = (key, low)
+        return low
+
+    def _swap_in(self) -> list[_Swapped]:
+        swapped: list[_Swapped] = []
+        lows: dict[int, torch.Tensor] = {}
+        try:
+            for slot in self.slots:
+                table = slot.table()
+                tensor = table.get(slot.name)
+                if tensor is None or tensor.dtype == self.dtype or not is_castable(tensor):
+                    continue
+                low = lows.get(id(tensor))
+                if low is None:
+                    low = lows[id(tensor)] = self._low(tensor)
+                table[slot.name] = low
+                swapped.append((table, slot.name, tensor, low, _version(low) if slot.is_buffer else None))
+            for rnn in self.recurrent:
+                rnn._init_flat_weights()
+        except BaseException:
+            self._swap_out(swapped)
+            raise
+        return swapped
+
+    def _swap_out(self, swapped: list[_Swapped]) -> None:
+        for table, name, original, low, version in reversed(swapped):
+            table[name] = original
+            if version is not None and (version < 0 or _version(low) != version):
+                with torch.no_grad():
+                    original.copy_(low)  # a buffer updated in place: keep the update
+        for rnn in self.recurrent:
+            rnn._init_flat_weights()
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor._version)
+    except RuntimeError:  # an inference tensor has no version counter
+        return -1
+
+
+class ExtraRepr:
+    """``extra_repr`` of a converted module: the original class's, after ``text`` (the
+    level and dtype) when there is one."""
+
+    def __init__(self, module: nn.Module, text: str, cls: type[nn.Module] | None = None) -> None:
+        self.module = module
+        self.text = text
+        self.cls = type(module) if cls is None else cls
+
+    def __call__(self) -> str:
+        try:
+            own = self.cls.extra_repr(self.module)
+        except AttributeError:  # the original's extra_repr reads something the copy lacks
+            own = ""
+        return "\n".join(part for part in (self.text, own) if part)
+
+
+def _cast_inputs_hook(
+    dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return cast_tree(args, dtype), cast_tree(kwargs, dtype)
+
+
+def _cast_output_hook(dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return cast_tree(output, dtype)
+
+
+def _precision(recipe: Recipe, module: nn.Module, path: str, parent: Precision) -> Precision:
+    pin = recipe.pinned(module, path)
+    if pin is not None:
+        return pin
+    if isinstance(module, recipe.black_modules):
+        return Precision.FP32
+    return parent
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def convert_module_level(
+    network: nn.Module,
+    recipe: Recipe,
+    *,
+    output_dtype: torch.dtype | None = torch.float32,
+    prefix: str = "",
+    copy: bool = True,
+) -> nn.Module:
+    """Convert ``network`` at module level: everything low but the float32 islands.
+
+    Args:
+        network: the module (not modified when ``copy`` is True).
+        recipe: O2 (black list) or O3 (empty black list) recipe; pins apply.
+        output_dtype: floating outputs are cast to this (None: left as computed).
+        prefix: the module's qualified name inside a larger model (for the plan).
+        copy: convert a structural copy (True) or ``network`` itself (already a copy).
+
+    Returns:
+        The converted module: same class as ``network``, same Parameters.
+    """
+    root = structural_copy(network) if copy else network
+    low = recipe.dtype
+    slots: list[Slot] = []
+    rows: list[PlanRow] = [PlanRow(prefix, "inputs", dtype_name(low), ("floating inputs -> " + dtype_name(low),))]
+    seen_modules: set[int] = set()
+    seen_tensors: set[int] = set()
+
+    def visit(module: nn.Module, path: str, parent: Precision) -> None:
+        if id(module) in seen_modules:
+            return
+        seen_modules.add(id(module))
+        precision = _precision(recipe, module, path, parent)
+        dtype = low if precision is Precision.LOW else torch.float32
+        if precision is not parent:
+            outer = low if parent is Precision.LOW else torch.float32
+            module.register_forward_pre_hook(functools.partial(_cast_inputs_hook, dtype), with_kwargs=True)
+            module.register_forward_hook(functools.partial(_cast_output_hook, outer))
+            rows.append(
+                PlanRow(
+                    path,
+                    type(module).__name__,
+                    dtype_name(dtype),
+                    (f"input -> {dtype_name(dtype)}",),
+                    (f"output -> {dtype_name(outer)}",),
+                    note="island",
+                )
+            )
+        cast_here: list[str] = []
+        if precision is Precision.LOW and not isinstance(module, lists.FP32_STATE_MODULES):
+            for is_buffer, table in ((False, module._parameters), (True, module._buffers)):
+                for name, tensor in table.items():
+                    if tensor is None or not is_castable(tensor):
+                        continue
+                    slots.append(Slot(module, name, is_buffer, _join(path, name)))
+                    if tensor.dtype != low and id(tensor) not in seen_tensors:
+                        cast_here.append(f"{_join(path, name)} -> {dtype_name(low)}")
+                    seen_tensors.add(id(tensor))
+        if cast_here:
+            rows.append(PlanRow(path, type(module).__name__, dtype_name(dtype), tuple(cast_here), note="weights"))
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(child, _join(path, name), precision)
+
+    visit(root, prefix, Precision.LOW)
+    if output_dtype is not None:
+        rows.append(PlanRow(prefix, "outputs", dtype_name(low), (), ("floating outputs -> " + dtype_name(output_dtype),)))
+    forward = CastAtUseForward(root, low, tuple(slots), output_dtype)
+    root.__dict__["forward"] = forward
+    plan = CastPlan(level=recipe.level.value, dtype=dtype_name(low), rows=tuple(rows))
+    root.__dict__[CONVERSION_ATTR] = Conversion(recipe, plan)
+    root.__dict__["extra_repr"] = ExtraRepr(root, f"mixprec: {recipe.describe()}")
+    return root
+
+
+def make_low_unit(module: nn.Module, recipe: Recipe, prefix: str) -> nn.Module:
+    """A whole module computing in low precision, its outputs left low (used for
+    white-list modules inside O1 / autocast graphs that cannot be traced)."""
+    unit_recipe = Recipe(level=recipe.level, dtype=recipe.dtype, low_pin=recipe.low_pin, fp32_pin=recipe.fp32_pin)
+    return convert_module_level(module, unit_recipe, output_dtype=None, prefix=prefix, copy=False)

@@ -1,0 +1,114 @@
+"""Low-precision dtypes: parsing, device defaults and "is it native here?" probes.
+
+Everything that turns a user's ``dtype=`` into a :class:`torch.dtype` lives here, so
+every public function accepts the same spellings and raises the same error.
+Hardware probes run lazily (on first call, never at import).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = [
+    "LOW_DTYPES",
+    "default_low_dtype",
+    "device_of",
+    "has_native_low_precision",
+    "is_castable",
+    "resolve_dtype",
+]
+
+#: The low-precision floating types mixprec computes in.
+LOW_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+_SPELLINGS: dict[str, torch.dtype] = {
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+
+_CHOICES = "torch.float16, torch.bfloat16, 'fp16', 'float16', 'half', 'bf16', 'bfloat16' or None"
+
+
+def resolve_dtype(dtype: object, device: torch.device | str | None = None) -> torch.dtype:
+    """Turn a user's ``dtype`` argument into a low-precision :class:`torch.dtype`.
+
+    Args:
+        dtype: ``torch.float16``, ``torch.bfloat16``, one of the strings ``"fp16"``,
+            ``"float16"``, ``"half"``, ``"bf16"``, ``"bfloat16"``, or ``None`` for the
+            device's usual low-precision type (see :func:`default_low_dtype`).
+        device: where the model lives; only used when ``dtype`` is ``None``.
+
+    Raises:
+        ValueError: for anything else, listing the choices.
+
+    Example:
+        >>> resolve_dtype("bf16")
+        torch.bfloat16
+    """
+    if dtype is None:
+        return default_low_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        if dtype in LOW_DTYPES:
+            return dtype
+    elif isinstance(dtype, str):
+        key = dtype.strip().lower().removeprefix("torch.")
+        if key in _SPELLINGS:
+            return _SPELLINGS[key]
+    raise ValueError(f"dtype must be one of {_CHOICES}; got {dtype!r}")
+
+
+def default_low_dtype(device: torch.device | str | None = None) -> torch.dtype:
+    """The usual low-precision type of a device.
+
+    bfloat16 on CPU; on CUDA bfloat16 where the GPU supports it, else float16.
+    """
+    dev = torch.device("cpu" if device is None else device)
+    if dev.type == "cuda":
+        return torch.bfloat16 if _cuda_bf16_supported() else torch.float16
+    return torch.bfloat16
+
+
+def has_native_low_precision(device: torch.device | str | None = None) -> bool:
+    """Whether ``device`` runs :func:`default_low_dtype` matmuls natively (fast).
+
+    On CPU this asks oneDNN whether the processor has bfloat16 instructions
+    (avx512_bf16 / AMX); on CUDA every GPU qualifies (float16 at least).
+    """
+    dev = torch.device("cpu" if device is None else device)
+    if dev.type == "cuda":
+        return True
+    if dev.type == "cpu":
+        return _cpu_bf16_supported()
+    return False
+
+
+def device_of(module: torch.nn.Module) -> torch.device:
+    """The device of a module's first parameter or buffer (CPU for an empty module)."""
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def is_castable(x: object) -> bool:
+    """True for tensors mixprec may cast: floating point, but never float64."""
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+
+
+@functools.cache
+def _cpu_bf16_supported() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return False
+
+
+@functools.cache
+def _cuda_bf16_supported() -> bool:
+    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())

@@ -1,0 +1,222 @@
+"""Levels, and the recipe a level and a dtype become.
+
+A :class:`Recipe` is everything a conversion needs to know, frozen: the level, the low
+dtype, the lists (as module classes and op keys) and the user's pins. Its
+:meth:`Recipe.decide` is the one place that says which precision an op or module runs in;
+the graph rewrite, the run-time policy for untraceable code and the module-level
+conversion all ask it.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from mixprec import lists
+from mixprec.dtypes import default_low_dtype, has_native_low_precision
+from mixprec.ops import op_key
+
+__all__ = ["Level", "ModulePin", "Precision", "Recipe", "recommend"]
+
+#: A pin: ``(module, qualified_name) -> bool``.
+ModulePin = Callable[[nn.Module, str], bool]
+OpKey = str | Callable[..., object]
+
+
+class Level(str, enum.Enum):
+    """An AMP level (parsed from the user's string at the edge)."""
+
+    O0 = "O0"
+    O1 = "O1"
+    O2 = "O2"
+    O3 = "O3"
+    AUTOCAST = "autocast"
+    AUTO = "auto"
+
+    @classmethod
+    def parse(cls, value: object, argument: str = "amp_level") -> Level:
+        """``"O2"``, ``"o2"``, ``Level.O2`` -> ``Level.O2``; anything else is a ValueError."""
+        if isinstance(value, Level):
+            return value
+        if isinstance(value, str):
+            for level in cls:
+                if value.strip().lower() == level.value.lower():
+                    return level
+        choices = ", ".join(repr(level.value) for level in cls)
+        raise ValueError(f"The amp level {value!r} is not supported: {argument} must be one of {choices}")
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Precision(str, enum.Enum):
+    """What an op or module computes in."""
+
+    LOW = "low"  # the recipe's low dtype; floating inputs cast down
+    FP32 = "fp32"  # float32; low inputs cast up
+    PROMOTE = "promote"  # the widest floating input type
+    FOLLOW = "follow"  # whatever its inputs are; no casts
+
+
+@dataclass(frozen=True)
+class PathPin:
+    """Pins the modules at the given qualified names (a picklable pin)."""
+
+    paths: frozenset[str]
+
+    def __call__(self, module: nn.Module, name: str) -> bool:
+        return name in self.paths
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A level and a dtype, made concrete.
+
+    Attributes:
+        level: O0, O1, O2, O3 or AUTOCAST (``auto`` is resolved before a recipe exists).
+        dtype: the low-precision dtype.
+        device_type: ``"cpu"`` or ``"cuda"``: whose autocast lists the AUTOCAST level uses.
+        white_modules: module classes computing low (O1), whole.
+        low_ops / fp32_ops / promote_ops: op keys (see :func:`mixprec.ops.op_key`).
+        black_modules: module classes kept in float32 (O2).
+        unit_modules: module classes the AUTOCAST level runs whole in low precision when
+            they cannot be traced.
+        low_pin / fp32_pin: the user's pins; a pin beats every list.
+        leaf_functions: user functions on a list, kept as single calls when tracing.
+    """
+
+    level: Level
+    dtype: torch.dtype
+    device_type: str = "cpu"
+    white_modules: tuple[type[nn.Module], ...] = ()
+    low_ops: frozenset[OpKey] = frozenset()
+    fp32_ops: frozenset[OpKey] = frozenset()
+    promote_ops: frozenset[OpKey] = frozenset()
+    black_modules: tuple[type[nn.Module], ...] = ()
+    unit_modules: tuple[type[nn.Module], ...] = ()
+    low_pin: ModulePin | None = None
+    fp32_pin: ModulePin | None = None
+    leaf_functions: tuple[Callable[..., object], ...] = field(default=())
+
+    @property
+    def casts_outputs_to_fp32(self) -> bool:
+        """O1, O2 and O3 return float32 outputs; the AUTOCAST level returns what it computes."""
+        return self.level in (Level.O1, Level.O2, Level.O3)
+
+    def pinned(self, module: nn.Module, name: str) -> Precision | None:
+        """The user's pin for one module, if any (float32 wins a tie)."""
+        if self.fp32_pin is not None and self.fp32_pin(module, name):
+            return Precision.FP32
+        if self.low_pin is not None and self.low_pin(module, name):
+            return Precision.LOW
+        return None
+
+    def decide(self, op: OpKey | None, scopes: Sequence[tuple[str, nn.Module]]) -> Precision:
+        """The precision of one op (``op``, None for a module call) inside ``scopes``
+        (the enclosing modules, outermost first, as ``(qualified_name, module)``).
+
+        Order: the innermost pinned module; then (O1) the innermost white-list module; then
+        the op's own list; else FOLLOW.
+        """
+        for name, module in reversed(scopes):
+            pin = self.pinned(module, name)
+            if pin is not None:
+                return pin
+        if self.level is Level.O1:
+            for _, module in reversed(scopes):
+                if isinstance(module, self.white_modules):
+                    return Precision.LOW
+        elif self.level is Level.AUTOCAST and op is None and scopes:
+            if isinstance(scopes[-1][1], self.unit_modules):
+                return Precision.LOW
+        if op is not None:
+            if op in self.low_ops:
+                return Precision.LOW
+            if op in self.fp32_ops:
+                return Precision.FP32
+            if op in self.promote_ops:
+                return Precision.PROMOTE
+        return Precision.FOLLOW
+
+    def is_fp32_island(self, module: nn.Module, name: str) -> bool:
+        """Module-level levels (O2/O3): does this module run in float32?"""
+        pin = self.pinned(module, name)
+        if pin is not None:
+            return pin is Precision.FP32
+        return isinstance(module, self.black_modules)
+
+    def describe(self) -> str:
+        return f"level={self.level.value}, dtype={str(self.dtype).removeprefix('torch.')}"
+
+
+def function_keys(functions: Iterable[Callable[..., object]]) -> frozenset[OpKey]:
+    return frozenset(op_key(f) for f in functions)
+
+
+def make_recipe(
+    level: Level,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    white_list: Sequence[type[nn.Module] | Callable[..., object]] | None = None,
+    black_list: Sequence[type[nn.Module]] | None = None,
+    low_pin: ModulePin | None = None,
+    fp32_pin: ModulePin | None = None,
+) -> Recipe:
+    """The recipe for a concrete level (not AUTO) on ``device``."""
+    device_type = "cuda" if device.type == "cuda" else "cpu"
+    common = {"level": level, "dtype": dtype, "device_type": device_type}
+    pins = {"low_pin": low_pin, "fp32_pin": fp32_pin}
+    if level is Level.O1:
+        items = list(lists.WHITE_MODULES) + list(lists.WHITE_FUNCTIONS) if white_list is None else list(white_list)
+        modules = tuple(i for i in items if isinstance(i, type))
+        functions = [i for i in items if not isinstance(i, type)]
+        user_functions = tuple(f for f in functions if not isinstance(op_key(f), str))
+        return Recipe(
+            **common,
+            white_modules=modules,
+            low_ops=function_keys(functions),
+            leaf_functions=user_functions,
+            **pins,
+        )
+    if level is Level.AUTOCAST:
+        cuda = device_type == "cuda"
+        return Recipe(
+            **common,
+            low_ops=lists.CUDA_LOWER_OPS if cuda else lists.CPU_LOWER_OPS,
+            fp32_ops=lists.CUDA_FP32_OPS if cuda else lists.CPU_FP32_OPS,
+            promote_ops=lists.CUDA_PROMOTE_OPS if cuda else lists.CPU_PROMOTE_OPS,
+            unit_modules=lists.AUTOCAST_LOW_MODULES,
+            **pins,
+        )
+    if level is Level.O2:
+        black = lists.BLACK_MODULES if black_list is None else tuple(black_list)
+        return Recipe(**common, black_modules=black, **pins)
+    return Recipe(**common, **pins)  # O0 and O3
+
+
+def recommend(device: torch.device, dtype: torch.dtype | None) -> tuple[Level, torch.dtype | None, str]:
+    """The ``auto`` level: what mixprec recommends for a model on ``device``.
+
+    A GPU: O2 (bfloat16 where supported, else float16 with dynamic loss scaling); a CPU
+    with native bfloat16: O2 bfloat16; any other CPU: O0, with a warning. An explicit
+    ``dtype`` is respected (O2 in that dtype).
+
+    Returns:
+        ``(level, dtype or None for O0, reason)``.
+    """
+    if dtype is not None:
+        return Level.O2, dtype, f"O2 in the requested {str(dtype).removeprefix('torch.')}"
+    if device.type == "cuda":
+        low = default_low_dtype(device)
+        return Level.O2, low, f"O2 {str(low).removeprefix('torch.')} on a CUDA GPU"
+    if device.type == "cpu" and has_native_low_precision(device):
+        return Level.O2, torch.bfloat16, "O2 bfloat16 on a CPU with native bfloat16"
+    reason = f"O0: {device.type} has no native low-precision matmul, so mixed precision would be slower"
+    warnings.warn(f"mixprec level 'auto' chose {reason}", stacklevel=3)
+    return Level.O0, None, reason

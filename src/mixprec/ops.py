@@ -1,0 +1,118 @@
+"""The few operations a converted model runs: casts, and the names that lists key on.
+
+Converted graphs call :func:`cast` and :func:`widest_dtype`, so they appear by these
+qualified names in generated code (``mixprec_ops_cast(x, torch.bfloat16)``). Both are
+no-ops on anything mixprec must not touch: integer and bool tensors, float64 tensors,
+``None`` and non-tensors, so a cast that turns out to be unnecessary at run time costs
+one Python call and no kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from mixprec.dtypes import is_castable
+
+__all__ = ["cast", "cast_tree", "op_key", "op_name", "widest_dtype"]
+
+
+def cast(value: Any, dtype: torch.dtype | None) -> Any:
+    """Cast a floating tensor (or each one in a nested structure) to ``dtype``.
+
+    Integer, bool and float64 tensors, and non-tensors, pass through unchanged, as does a
+    tensor that already has ``dtype`` (no copy, no kernel) and anything when ``dtype`` is
+    None (no floating input to promote to).
+
+    Example:
+        >>> cast(torch.ones(2), torch.bfloat16).dtype
+        torch.bfloat16
+        >>> cast(torch.ones(2, dtype=torch.int64), torch.bfloat16).dtype
+        torch.int64
+    """
+    if isinstance(value, torch.Tensor):
+        if dtype is not None and value.dtype != dtype and is_castable(value):
+            return value.to(dtype)
+        return value
+    if dtype is None or value is None or isinstance(value, (int, float, bool, str)):
+        return value
+    return cast_tree(value, dtype)
+
+
+def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
+    """:func:`cast` every floating tensor in a nested structure (tuples, lists, dicts,
+    named tuples, and any type registered with ``torch.utils._pytree``)."""
+    def one(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.dtype != dtype and is_castable(t) else t
+
+    return pytree.tree_map_only(torch.Tensor, one, tree)
+
+
+def widest_dtype(*values: Any) -> torch.dtype | None:
+    """The widest castable floating dtype among tensors in ``values`` (lists included).
+
+    float32 beats the 16-bit types; float64 tensors are ignored (never cast down, and
+    never a reason to cast up), as ``torch.autocast``'s promote policy does. ``None``
+    when there is no castable tensor.
+    """
+    widest: torch.dtype | None = None
+    for leaf in pytree.tree_leaves(values):
+        if not is_castable(leaf):
+            continue
+        dtype = leaf.dtype
+        if widest is None or dtype == torch.float32:
+            widest = dtype
+        elif widest != dtype and widest != torch.float32:
+            widest = torch.float32  # float16 meets bfloat16: neither holds the other
+    return widest
+
+
+_REFLECTED = frozenset(
+    (
+        "radd",
+        "rsub",
+        "rmul",
+        "rmatmul",
+        "rtruediv",
+        "rdiv",
+        "rfloordiv",
+        "rpow",
+        "rmod",
+        "rand",
+        "ror",
+        "rxor",
+        "rlshift",
+        "rrshift",
+    )
+)
+_INPLACE = frozenset(("i" + name[1:] for name in _REFLECTED))
+
+
+def op_name(target: str | Callable[..., Any]) -> str:
+    """The name lists know an op by: ``torch.matmul``, ``Tensor.matmul``, ``x @ y`` and the
+    graph method ``"__matmul__"`` are all ``"matmul"``; in-place forms end in ``_``."""
+    name = target if isinstance(target, str) else getattr(target, "__name__", repr(target))
+    if name.startswith("__") and name.endswith("__") and len(name) > 4:
+        name = name[2:-2]
+        if name in _REFLECTED:
+            name = name[1:]
+        elif name in _INPLACE:
+            name = name[1:] + "_"
+    return name
+
+
+_TORCH_MODULES = ("torch", "_operator", "operator", "builtins")
+
+
+def op_key(target: str | Callable[..., Any]) -> str | Callable[..., Any]:
+    """The key of an op in a list: its :func:`op_name` for torch and operator functions
+    and Tensor methods; the function object itself for anything else (a user's function)."""
+    if isinstance(target, str):
+        return op_name(target)
+    module = getattr(target, "__module__", None)
+    if module is None or module.split(".")[0] in _TORCH_MODULES:
+        return op_name(target)
+    return target
