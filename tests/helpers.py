@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from typing import Any
 
@@ -47,7 +48,7 @@ class MLP(nn.Module):
     def __init__(self, sizes: tuple[int, ...] = (16, 32, 32, 8)) -> None:
         super().__init__()
         layers: list[nn.Module] = []
-        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        for i, (a, b) in enumerate(itertools.pairwise(sizes)):
             layers.append(nn.Linear(a, b))
             if i < len(sizes) - 2:
                 layers.append(nn.ReLU())
@@ -82,7 +83,9 @@ class TinyTransformer(nn.Module):
     def __init__(self, vocab: int = 50, dim: int = 32, heads: int = 4, classes: int = 5) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.encoder = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoderLayer(
+            dim, heads, 2 * dim, dropout=0.0, batch_first=True
+        )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, classes)
 

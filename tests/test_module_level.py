@@ -9,10 +9,10 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import MLP, CastCounter, SmallCNN, TinyTransformer, count_casts, rel_error
 from torch import nn
 
 import mixprec as amp
+from helpers import MLP, CastCounter, SmallCNN, TinyTransformer, count_casts, rel_error
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 LEVELS = ["O2", "O3"]
@@ -31,7 +31,9 @@ def _record_compute_dtypes(model: nn.Module) -> tuple[dict[str, torch.dtype], li
         if weight is None:
             continue
 
-        def hook(mod: nn.Module, args: tuple[torch.Tensor, ...], out: object, name: str = name) -> None:
+        def hook(
+            mod: nn.Module, args: tuple[torch.Tensor, ...], out: object, name: str = name
+        ) -> None:
             seen[name] = mod.weight.dtype
             seen[name + ":input"] = args[0].dtype
 
@@ -62,13 +64,17 @@ def test_modules_compute_in_the_level_dtype(level: str, dtype: torch.dtype) -> N
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("level", LEVELS)
-def test_parameters_keep_dtype_and_identity_and_receive_fp32_grads(level: str, dtype: torch.dtype) -> None:
+def test_parameters_keep_dtype_and_identity_and_receive_fp32_grads(
+    level: str, dtype: torch.dtype
+) -> None:
     torch.manual_seed(0)
     model = MLP((8, 16, 4))
     reference = copy.deepcopy(model)
     converted = amp.auto_mixed_precision(model, level, dtype)
 
-    for (name, p), (_, q) in zip(model.named_parameters(), converted.named_parameters(), strict=True):
+    for (name, p), (_, q) in zip(
+        model.named_parameters(), converted.named_parameters(), strict=True
+    ):
         assert p is q, name
         assert q.dtype == torch.float32
 
@@ -130,7 +136,9 @@ def test_each_weight_cast_once_per_forward(level: str) -> None:
     ],
 )
 @pytest.mark.parametrize("level", LEVELS)
-def test_cast_count_per_forward(model: nn.Module, x: torch.Tensor, expected: dict[str, int], level: str) -> None:
+def test_cast_count_per_forward(
+    model: nn.Module, x: torch.Tensor, expected: dict[str, int], level: str
+) -> None:
     converted = amp.auto_mixed_precision(model, level, "bf16")
     _, counter = count_casts(converted, x)
     assert counter.total == expected[level]
@@ -187,7 +195,9 @@ def test_nested_outputs_are_all_fp32() -> None:
             super().__init__()
             self.fc = nn.Linear(4, 4)
 
-        def forward(self, x: torch.Tensor, ids: torch.Tensor, scale: float = 2.0) -> dict[str, object]:
+        def forward(
+            self, x: torch.Tensor, ids: torch.Tensor, scale: float = 2.0
+        ) -> dict[str, object]:
             y = self.fc(x) * scale
             return {"y": y, "pair": (y, [y.sum()]), "ids": ids + 1, "f64": x.double(), "text": "hi"}
 
@@ -209,15 +219,25 @@ def test_int_bool_and_float64_inputs_are_never_cast() -> None:
             super().__init__()
             self.fc = nn.Linear(4, 4)
 
-        def forward(self, x: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, f64: torch.Tensor) -> torch.Tensor:
+        def forward(
+            self, x: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, f64: torch.Tensor
+        ) -> torch.Tensor:
             seen.update(x=x.dtype, ids=ids.dtype, mask=mask.dtype, f64=f64.dtype)
             return self.fc(x)[mask] + ids.sum() + f64.sum().float()
 
     converted = amp.auto_mixed_precision(Probe(), "O2", "bf16")
     converted(
-        torch.randn(3, 4), torch.arange(3), torch.tensor([True, False, True]), f64=torch.ones(2, dtype=torch.float64)
+        torch.randn(3, 4),
+        torch.arange(3),
+        torch.tensor([True, False, True]),
+        f64=torch.ones(2, dtype=torch.float64),
     )
-    assert seen == {"x": torch.bfloat16, "ids": torch.int64, "mask": torch.bool, "f64": torch.float64}
+    assert seen == {
+        "x": torch.bfloat16,
+        "ids": torch.int64,
+        "mask": torch.bool,
+        "f64": torch.float64,
+    }
 
 
 def test_float64_parameters_are_never_cast_down() -> None:
@@ -310,7 +330,7 @@ def test_recurrent_layers_use_the_cast_weights() -> None:
     model = nn.LSTM(4, 8, batch_first=True)
     converted = amp.auto_mixed_precision(model, "O2", "bf16")
     x = torch.randn(2, 5, 4)
-    out, (h, c) = converted(x)
+    out, (h, _c) = converted(x)
     expected, _ = model(x)
     assert out.dtype == h.dtype == torch.float32
     assert rel_error(out, expected) < TOLERANCE[torch.bfloat16]
@@ -325,7 +345,9 @@ def test_pins_override_the_black_list() -> None:
     seen: dict[str, torch.dtype] = {}
     converted = amp.auto_mixed_precision(model, "O2", "bf16", low_modules=["1"], fp32_modules=["2"])
     converted[1].register_forward_hook(lambda m, a, o: seen.update(norm=m.weight.dtype))
-    converted[2].register_forward_hook(lambda m, a, o: seen.update(last=m.weight.dtype, last_in=a[0].dtype))
+    converted[2].register_forward_hook(
+        lambda m, a, o: seen.update(last=m.weight.dtype, last_in=a[0].dtype)
+    )
     converted(torch.randn(2, 4))
     assert seen == {"norm": torch.bfloat16, "last": torch.float32, "last_in": torch.float32}
 

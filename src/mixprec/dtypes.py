@@ -89,10 +89,10 @@ def has_native_low_precision(device: torch.device | str | None = None) -> bool:
 
 def device_of(module: torch.nn.Module) -> torch.device:
     """The device of a module's first parameter or buffer (CPU for an empty module)."""
-    for tensor in module.parameters():
-        return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
+    for param in module.parameters():
+        return param.device
+    for buffer in module.buffers():
+        return buffer.device
     return torch.device("cpu")
 
 

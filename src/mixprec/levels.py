@@ -9,6 +9,7 @@ conversion all ask it.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -48,7 +49,9 @@ class Level(str, enum.Enum):
                 if value.strip().lower() == level.value.lower():
                     return level
         choices = ", ".join(repr(level.value) for level in cls)
-        raise ValueError(f"The amp level {value!r} is not supported: {argument} must be one of {choices}")
+        raise ValueError(
+            f"The amp level {value!r} is not supported: {argument} must be one of {choices}"
+        )
 
     def __str__(self) -> str:
         return self.value
@@ -131,9 +134,13 @@ class Recipe:
             for _, module in reversed(scopes):
                 if isinstance(module, self.white_modules):
                     return Precision.LOW
-        elif self.level is Level.AUTOCAST and op is None and scopes:
-            if isinstance(scopes[-1][1], self.unit_modules):
-                return Precision.LOW
+        elif (
+            self.level is Level.AUTOCAST
+            and op is None
+            and scopes
+            and isinstance(scopes[-1][1], self.unit_modules)
+        ):
+            return Precision.LOW
         if op is not None:
             if op in self.low_ops:
                 return Precision.LOW
@@ -170,37 +177,40 @@ def make_recipe(
 ) -> Recipe:
     """The recipe for a concrete level (not AUTO) on ``device``."""
     device_type = "cuda" if device.type == "cuda" else "cpu"
-    common = {"level": level, "dtype": dtype, "device_type": device_type}
-    pins = {"low_pin": low_pin, "fp32_pin": fp32_pin}
+    common = Recipe(level, dtype, device_type, low_pin=low_pin, fp32_pin=fp32_pin)
     if level is Level.O1:
-        items = list(lists.WHITE_MODULES) + list(lists.WHITE_FUNCTIONS) if white_list is None else list(white_list)
+        items = (
+            list(lists.WHITE_MODULES) + list(lists.WHITE_FUNCTIONS)
+            if white_list is None
+            else list(white_list)
+        )
         modules = tuple(i for i in items if isinstance(i, type))
         functions = [i for i in items if not isinstance(i, type)]
         user_functions = tuple(f for f in functions if not isinstance(op_key(f), str))
-        return Recipe(
-            **common,
+        return dataclasses.replace(
+            common,
             white_modules=modules,
             low_ops=function_keys(functions),
             leaf_functions=user_functions,
-            **pins,
         )
     if level is Level.AUTOCAST:
         cuda = device_type == "cuda"
-        return Recipe(
-            **common,
+        return dataclasses.replace(
+            common,
             low_ops=lists.CUDA_LOWER_OPS if cuda else lists.CPU_LOWER_OPS,
             fp32_ops=lists.CUDA_FP32_OPS if cuda else lists.CPU_FP32_OPS,
             promote_ops=lists.CUDA_PROMOTE_OPS if cuda else lists.CPU_PROMOTE_OPS,
             unit_modules=lists.AUTOCAST_LOW_MODULES,
-            **pins,
         )
     if level is Level.O2:
         black = lists.BLACK_MODULES if black_list is None else tuple(black_list)
-        return Recipe(**common, black_modules=black, **pins)
-    return Recipe(**common, **pins)  # O0 and O3
+        return dataclasses.replace(common, black_modules=black)
+    return common  # O0 and O3
 
 
-def recommend(device: torch.device, dtype: torch.dtype | None) -> tuple[Level, torch.dtype | None, str]:
+def recommend(
+    device: torch.device, dtype: torch.dtype | None
+) -> tuple[Level, torch.dtype | None, str]:
     """The ``auto`` level: what mixprec recommends for a model on ``device``.
 
     A GPU: O2 (bfloat16 where supported, else float16 with dynamic loss scaling); a CPU
@@ -217,6 +227,8 @@ def recommend(device: torch.device, dtype: torch.dtype | None) -> tuple[Level, t
         return Level.O2, low, f"O2 {str(low).removeprefix('torch.')} on a CUDA GPU"
     if device.type == "cpu" and has_native_low_precision(device):
         return Level.O2, torch.bfloat16, "O2 bfloat16 on a CPU with native bfloat16"
-    reason = f"O0: {device.type} has no native low-precision matmul, so mixed precision would be slower"
+    reason = (
+        f"O0: {device.type} has no native low-precision matmul, so mixed precision would be slower"
+    )
     warnings.warn(f"mixprec level 'auto' chose {reason}", stacklevel=3)
     return Level.O0, None, reason

@@ -27,8 +27,6 @@ from torch import nn
 
 __all__ = [
     "AUTOCAST_LOW_MODULES",
-    "FP32_STATE_MODULES",
-    "MODULE_OPS",
     "BLACK_MODULES",
     "CPU_FP32_OPS",
     "CPU_LOWER_OPS",
@@ -36,6 +34,8 @@ __all__ = [
     "CUDA_FP32_OPS",
     "CUDA_LOWER_OPS",
     "CUDA_PROMOTE_OPS",
+    "FP32_STATE_MODULES",
+    "MODULE_OPS",
     "WHITE_FUNCTIONS",
     "WHITE_MODULES",
 ]
@@ -106,9 +106,7 @@ BLACK_MODULES: tuple[type[nn.Module], ...] = (
 #: low precision (O3): their kernels take a low-precision input with float32 state
 #: (cuDNN requires it, and the CPU kernels support it), and their statistics, updated in
 #: place, are never rounded to 16 bits.
-FP32_STATE_MODULES: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._NormBase,
-)
+FP32_STATE_MODULES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase,)
 
 # ------------------------------------------------------------------------ autocast lists
 # Op names are what mixprec.convert.ops.op_name() returns for a call: the function's

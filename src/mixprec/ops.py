@@ -45,6 +45,7 @@ def cast(value: Any, dtype: torch.dtype | None) -> Any:
 def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
     """:func:`cast` every floating tensor in a nested structure (tuples, lists, dicts,
     named tuples, and any type registered with ``torch.utils._pytree``)."""
+
     def one(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if t.dtype != dtype and is_castable(t) else t
 
@@ -88,7 +89,7 @@ _REFLECTED = frozenset(
         "rrshift",
     )
 )
-_INPLACE = frozenset(("i" + name[1:] for name in _REFLECTED))
+_INPLACE = frozenset("i" + name[1:] for name in _REFLECTED)
 
 
 def op_name(target: str | Callable[..., Any]) -> str:

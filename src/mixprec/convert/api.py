@@ -53,7 +53,9 @@ def get_black_list() -> list[type[nn.Module]]:
 
 def _check_network(network: object) -> nn.Module:
     if not isinstance(network, nn.Module):
-        raise TypeError(f"network must be a torch.nn.Module; got {type(network).__name__}: {network!r}")
+        raise TypeError(
+            f"network must be a torch.nn.Module; got {type(network).__name__}: {network!r}"
+        )
     converted = list(find_converted(network))
     if converted:
         where = "the network itself" if "" in converted else f"its submodule {converted[0]!r}"
@@ -83,7 +85,9 @@ def _pin(argument: str, pins: Pins, network: nn.Module) -> ModulePin | None:
         if path not in names:
             close = difflib.get_close_matches(path, list(names), n=3)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise ValueError(f"{argument} names {path!r}, which is not a module of the network{hint}")
+            raise ValueError(
+                f"{argument} names {path!r}, which is not a module of the network{hint}"
+            )
     return PathPin(frozenset(paths))
 
 
@@ -206,7 +210,9 @@ def custom_mixed_precision(
     fp32_pin = _pin("fp32_modules", fp32_modules, network)
     if white_list is not None:
         items = _check_list("white_list", white_list, modules_only=False)
-        recipe = make_recipe(Level.O1, low, device, white_list=items, low_pin=low_pin, fp32_pin=fp32_pin)
+        recipe = make_recipe(
+            Level.O1, low, device, white_list=items, low_pin=low_pin, fp32_pin=fp32_pin
+        )
     else:
         items = _check_list("black_list", black_list, modules_only=True)
         left_out = [cls.__name__ for cls in lists.BLACK_MODULES if cls not in items]
@@ -216,5 +222,7 @@ def custom_mixed_precision(
                 ", ".join(left_out),
                 str(low).removeprefix("torch."),
             )
-        recipe = make_recipe(Level.O2, low, device, black_list=items, low_pin=low_pin, fp32_pin=fp32_pin)
+        recipe = make_recipe(
+            Level.O2, low, device, black_list=items, low_pin=low_pin, fp32_pin=fp32_pin
+        )
     return convert(network, recipe)

@@ -14,15 +14,18 @@ the equivalent general path.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx._symbolic_trace import _assert_is_none
 
 from mixprec import ops
 
-__all__ = ["CaptureTracer", "capture"]
+__all__ = ["CaptureTracer", "Captured", "capture"]
 
 
 class CaptureTracer(fx.Tracer):
@@ -54,7 +57,11 @@ class CaptureTracer(fx.Tracer):
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def call_module(
-        self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        m: nn.Module,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
         name = self.path_of_module(m)
         if self.is_leaf_module(m, name):
@@ -70,7 +77,9 @@ class CaptureTracer(fx.Tracer):
             self.module_stack.update(stack)
             self.num_calls.clear()
             self.num_calls.update(calls)
-            self.untraceable[name] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            self.untraceable[name] = (
+                f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            )
             return super().call_module(m, forward, args, kwargs)
 
     def _roll_back(self, last: fx.Node | None) -> None:
@@ -107,19 +116,77 @@ def _no_transformer_fastpath() -> Iterator[None]:
         mha.set_fastpath_enabled(before)
 
 
+@dataclass(frozen=True)
+class Captured:
+    """A traced graph.
+
+    Attributes:
+        graph: the graph.
+        untraceable: ``{qualified_name: reason}`` for submodules kept as leaves because
+            their forward could not be traced.
+        specialized: arguments of ``forward`` whose default is None and that the graph
+            was traced with as None (tracing them as tensors failed); a call that passes
+            one of them takes the run-time path instead.
+    """
+
+    graph: fx.Graph
+    untraceable: dict[str, str]
+    specialized: tuple[str, ...] = ()
+
+
+def _none_defaults(root: nn.Module) -> dict[str, None]:
+    parameters = inspect.signature(root.forward).parameters.values()
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+        return {}
+    return {p.name: None for p in parameters if p.default is None}
+
+
+def _unguard(graph: fx.Graph, root: nn.Module) -> None:
+    """Drop fx's ``_assert_is_none`` guards and give placeholders their argument names
+    back (the caller dispatches on the specialized arguments itself)."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is _assert_is_none:
+            graph.erase_node(node)
+    names = list(inspect.signature(root.forward).parameters)
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    for node, name in zip(placeholders, names, strict=False):
+        node.target = name
+
+
 def capture(
     root: nn.Module,
     autowrap_functions: tuple[Callable[..., Any], ...] = (),
     leaf: Callable[[nn.Module, str], bool] | None = None,
-) -> tuple[fx.Graph, dict[str, str]]:
-    """Trace ``root``; returns the graph and ``{qualified_name: reason}`` for leaves made
-    because their forward could not be traced.
+) -> Captured:
+    """Trace ``root`` (see :class:`Captured`).
+
+    When tracing fails with every argument a tensor, it is tried again with the
+    arguments that default to None fixed to None (``if mask is not None:`` is the usual
+    reason a forward cannot be traced).
 
     Raises:
         Exception: whatever tracing ``root``'s own forward raised (the caller then handles
-            the whole model at run time).
+            the whole module at run time).
     """
     tracer = CaptureTracer(autowrap_functions, leaf)
     with _no_transformer_fastpath():
-        graph = tracer.trace(root)
-    return graph, tracer.untraceable
+        try:
+            graph = tracer.trace(root)
+        except Exception:
+            concrete = _none_defaults(root)
+            if not concrete:
+                raise
+            tracer = CaptureTracer(autowrap_functions, leaf)
+            graph = tracer.trace(root, concrete_args=concrete)
+            _unguard(graph, root)
+            return Captured(_drop_string_annotations(graph), tracer.untraceable, tuple(concrete))
+    return Captured(_drop_string_annotations(graph), tracer.untraceable)
+
+
+def _drop_string_annotations(graph: fx.Graph) -> fx.Graph:
+    """Forget annotations that are strings (``from __future__ import annotations``): fx
+    would put them in the generated code's globals, which then cannot be pickled."""
+    for node in graph.nodes:
+        if isinstance(node.type, str):
+            node.type = None
+    return graph

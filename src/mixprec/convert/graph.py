@@ -14,7 +14,10 @@ cannot be traced are handled as the design says:
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +49,10 @@ class MixedPrecisionGraphModule(fx.GraphModule):
     tree (every Parameter, buffer and submodule of the original, at the same qualified
     names, non-persistent buffers included), so ``state_dict`` keys equal the original's,
     also after ``copy.deepcopy`` and pickling.
+
+    A graph traced with some None-default arguments fixed to None (see
+    :class:`~mixprec.convert.capture.Captured`) dispatches: calls that leave them None run
+    the graph, others run ``_mixprec_fallback``, the same model handled at run time.
     """
 
     def __init__(self, root: nn.Module, graph: fx.Graph, class_name: str = "GraphModule") -> None:
@@ -54,35 +61,77 @@ class MixedPrecisionGraphModule(fx.GraphModule):
         if not isinstance(root, fx.GraphModule):
             self.__dict__["extra_repr"] = ExtraRepr(self, "", cls=type(root))
 
+    def specialize(
+        self, names: tuple[str, ...], signature: inspect.Signature, fallback: nn.Module
+    ) -> None:
+        """Run the graph only when the arguments ``names`` are None, else ``fallback``."""
+        self.__dict__.update(
+            _mixprec_specialized=names, _mixprec_signature=signature, _mixprec_fallback=fallback
+        )
+        self.recompile()
+
+    def recompile(self) -> Any:
+        code = super().recompile()
+        if self.__dict__.get("_mixprec_specialized"):
+            cls = type(self)
+            cls.forward = _dispatching(cls.forward)
+        return code
+
     def __deepcopy__(self, memo: dict[int, Any]) -> MixedPrecisionGraphModule:
         result = super().__deepcopy__(memo)
-        for key in _STATE:
-            result.__dict__[key] = copy.deepcopy(self.__dict__[key], memo)
+        for key, value in self.__dict__.items():
+            if key in _STATE or key not in result.__dict__:
+                result.__dict__[key] = copy.deepcopy(value, memo)
+        result.recompile()
         return result  # type: ignore[return-value]
 
     def __reduce__(self) -> tuple[Any, ...]:
         rebuild, args = super().__reduce__()
         state = {key: self.__dict__[key] for key in _STATE}
+        state.update(
+            {
+                k: v
+                for k, v in self.__dict__.items()
+                if k.startswith("_mixprec") or k == "extra_repr"
+            }
+        )
         return (_rebuild, (rebuild, args, state))
+
+
+def _dispatching(generated: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(generated)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        bound = self.__dict__["_mixprec_signature"].bind(*args, **kwargs)
+        if all(bound.arguments.get(name) is None for name in self.__dict__["_mixprec_specialized"]):
+            return generated(self, *args, **kwargs)
+        return self.__dict__["_mixprec_fallback"](*args, **kwargs)
+
+    return forward
 
 
 def _rebuild(rebuild: Any, args: tuple[Any, ...], state: dict[str, Any]) -> fx.GraphModule:
     gm = rebuild(*args)
     result = MixedPrecisionGraphModule(gm, gm.graph)
-    result.__dict__.update({k: v for k, v in gm.__dict__.items() if k not in result.__dict__})
-    for key in (CONVERSION_ATTR, "extra_repr", "training"):
-        if key in gm.__dict__:
-            result.__dict__[key] = gm.__dict__[key]
+    for key, value in gm.__dict__.items():
+        result.__dict__.setdefault(key, value)
     result.__dict__.update(state)
     if isinstance(result.__dict__.get("extra_repr"), ExtraRepr):
         result.__dict__["extra_repr"].module = result
+    result.recompile()
     return result
 
 
 def _mirror(gm: fx.GraphModule, root: nn.Module) -> None:
-    """Give ``gm`` the whole module tree and public attributes of ``root``."""
-    for key in _STATE:
-        gm.__dict__[key] = root.__dict__[key]
+    """Give ``gm`` the whole module tree and public attributes of ``root``.
+
+    Tensors tracing created (``torch.tensor([...])`` constants in ``forward``) stay, as
+    non-persistent buffers, so ``state_dict`` keys are exactly the original's.
+    """
+    constants = {k: v for k, v in gm._buffers.items() if k not in root._buffers}
+    gm.__dict__["_modules"] = root._modules
+    gm.__dict__["_parameters"] = root._parameters
+    gm.__dict__["_buffers"] = {**root._buffers, **constants}
+    gm.__dict__["_non_persistent_buffers_set"] = set(root._non_persistent_buffers_set) | set(constants)
     gm.training = root.training
     for key, value in root.__dict__.items():
         if "hooks" in key and isinstance(value, dict) and value:
@@ -127,7 +176,9 @@ def convert_graph(network: nn.Module, recipe: Recipe, *, copy: bool = True) -> n
     converted.__dict__[CONVERSION_ATTR] = Conversion(recipe, cast_plan)
     previous = converted.__dict__.get("extra_repr")
     cls = previous.cls if isinstance(previous, ExtraRepr) else type(converted)
-    converted.__dict__["extra_repr"] = ExtraRepr(converted, f"mixprec: {recipe.describe()}", cls=cls)
+    converted.__dict__["extra_repr"] = ExtraRepr(
+        converted, f"mixprec: {recipe.describe()}", cls=cls
+    )
     return converted
 
 
@@ -141,10 +192,14 @@ def _convert(
 ) -> nn.Module:
     """Convert one module (already a structural copy) in place or into a graph module."""
     try:
-        graph, untraceable = capture(module, recipe.leaf_functions)
+        captured = capture(module, recipe.leaf_functions)
     except Exception as error:
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if recipe.decide(_module_op(module), scopes) is Precision.LOW:
+            return _low_unit(module, recipe, path, plan)
         return _runtime_part(module, recipe, path, scopes, output_dtype, plan, reason)
+    graph, untraceable = captured.graph, captured.untraceable
+    pristine = structural_copy(module) if captured.specialized else None
 
     def scopes_of(node: fx.Node) -> Scopes:
         stack = node.meta.get("nn_module_stack") or {}
@@ -155,16 +210,55 @@ def _convert(
     leaf_rows: dict[fx.Node, list[PlanRow]] = {}
     for node in list(graph.nodes):
         if node.op in ("call_function", "call_method"):
-            decisions[node] = recipe.decide(ops.op_key(node.target), scopes_of(node))  # type: ignore[arg-type]
+            decisions[node] = recipe.decide(ops.op_key(node.target), scopes_of(node))
         elif node.op == "call_module":
-            decisions[node], leaf_rows[node] = _convert_leaf(node, module, recipe, path, scopes_of(node), untraceable, plan)
+            decisions[node], leaf_rows[node] = _convert_leaf(
+                node, module, recipe, path, scopes_of(node), untraceable, plan
+            )
 
     infos = infer(graph, module)
-    insert_casts(graph, recipe, lambda node: decisions.get(node, Precision.FOLLOW), infos, output_dtype)
+    insert_casts(
+        graph, recipe, lambda node: decisions.get(node, Precision.FOLLOW), infos, output_dtype
+    )
     plan.removed += simplify(graph, module)
     gm = MixedPrecisionGraphModule(module, graph, class_name=type(module).__name__)
     plan.rows.extend(_rows(gm.graph, module, path, recipe, scopes_of, leaf_rows))
+    if pristine is not None:
+        names = ", ".join(f"{name}=None" for name in captured.specialized)
+        plan.rows.append(
+            PlanRow(
+                path,
+                type(module).__name__,
+                "-",
+                note=f"graph traced with {names}; other values run at run time",
+            )
+        )
+        fallback = _runtime_part(
+            pristine,
+            recipe,
+            path,
+            scopes,
+            output_dtype,
+            _Plan(),
+            "called with a specialized argument",
+        )
+        gm.specialize(captured.specialized, inspect.signature(module.forward), fallback)
     return gm
+
+
+def _low_unit(module: nn.Module, recipe: Recipe, path: str, plan: _Plan) -> nn.Module:
+    """An untraceable module that computes in low precision as a whole."""
+    unit = make_low_unit(module, recipe, prefix=path)
+    weights = [
+        cast
+        for row in unit.__dict__[CONVERSION_ATTR].plan.rows
+        if row.note == "weights"
+        for cast in row.casts_before
+    ]
+    plan.rows.append(
+        PlanRow(path, type(module).__name__, dtype_name(recipe.dtype), tuple(weights), note="unit")
+    )
+    return unit
 
 
 def _convert_leaf(
@@ -187,8 +281,12 @@ def _convert_leaf(
         unit = make_low_unit(sub, recipe, prefix=path)
         node.meta["mixprec_out"] = Info("unknown", recipe.dtype, exact=False)
         unit_plan = unit.__dict__[CONVERSION_ATTR].plan
-        weights = [cast for row in unit_plan.rows if row.note == "weights" for cast in row.casts_before]
-        return precision, [PlanRow(path, type(sub).__name__, dtype_name(recipe.dtype), tuple(weights), note="unit")]
+        weights = [
+            cast for row in unit_plan.rows if row.note == "weights" for cast in row.casts_before
+        ]
+        return precision, [
+            PlanRow(path, type(sub).__name__, dtype_name(recipe.dtype), tuple(weights), note="unit")
+        ]
     if precision is not Precision.FOLLOW or op is not None:
         return precision, []
     start = len(plan.rows)
@@ -210,13 +308,18 @@ def _runtime_part(
 ) -> nn.Module:
     """Keep ``module``'s code, convert its children, apply the lists to its ops at run time."""
     plan.runtime.append(path)
-    plan.rows.append(PlanRow(path, type(module).__name__, "at run time", note=f"not traceable ({reason})"))
+    plan.rows.append(
+        PlanRow(path, type(module).__name__, "at run time", note=f"not traceable ({reason})")
+    )
     for name, child in list(module._modules.items()):
         if child is None:
             continue
         child_path = _join(path, name)
         child_scopes = (*scopes, (child_path, child))
-        if _module_op(child) is not None and recipe.decide(_module_op(child), child_scopes) is Precision.FOLLOW:
+        if (
+            _module_op(child) is not None
+            and recipe.decide(_module_op(child), child_scopes) is Precision.FOLLOW
+        ):
             continue  # a one-op built-in the lists leave alone
         converted = _convert(child, recipe, child_path, child_scopes, None, plan)
         stand_aside(converted)
@@ -252,13 +355,15 @@ def _rows(
         if not (is_helper(node) and node.target is ops.cast):
             continue
         source, dtype = node.args[0], node.args[1]
-        info = infos.get(source, Info("unknown"))  # type: ignore[arg-type]
+        info = infos.get(source, Info("unknown"))
         if isinstance(dtype, fx.Node):
             inputs = [infos.get(n, Info("unknown")) for n in dtype.all_input_nodes]
-            widest = ops.widest_dtype(*[torch.empty(0, dtype=i.dtype) for i in inputs if i.castable])
+            widest = ops.widest_dtype(
+                *[torch.empty(0, dtype=i.dtype) for i in inputs if i.castable]
+            )
             target = widest
         else:
-            target = dtype  # type: ignore[assignment]
+            target = dtype
         if not info.castable or target is None or info.dtype == target:
             continue  # a no-op at run time under the plan's assumption
         text = f"{_label(source, path)} -> {dtype_name(target)}"
@@ -276,10 +381,17 @@ def _rows(
             continue
         info = infos.get(node, Info("unknown"))
         precision = node.meta.get(PRECISION_TAG, Precision.FOLLOW)
-        if info.kind == "other" or (node.target is operator.getitem and node not in before and node not in after):
+        if info.kind == "other" or (
+            node.target is operator.getitem and node not in before and node not in after
+        ):
             continue  # shapes, sizes and plain indexing are not ops worth a row
         extra = leaf_rows.get(node)
-        if node.op == "call_module" and extra is not None and extra and extra[0].dtype == "at run time":
+        if (
+            node.op == "call_module"
+            and extra is not None
+            and extra
+            and extra[0].dtype == "at run time"
+        ):
             rows.extend(extra)
             continue
         inner = scopes_of(node)
@@ -288,7 +400,7 @@ def _rows(
             where = _join(path, str(node.target))
             op = type(root.get_submodule(str(node.target))).__name__
         else:
-            op = ops.op_name(node.target)  # type: ignore[arg-type]
+            op = ops.op_name(node.target)
         if precision is Precision.LOW:
             computes = dtype_name(recipe.dtype)
         elif precision is Precision.FP32:

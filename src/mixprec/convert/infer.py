@@ -53,7 +53,9 @@ _DTYPE_METHODS = {
     "byte": torch.uint8,
     "char": torch.int8,
 }
-_NON_TENSOR = frozenset(("size", "dim", "numel", "item", "tolist", "ndimension", "nelement", "stride", "getattr"))
+_NON_TENSOR = frozenset(
+    ("size", "dim", "numel", "item", "tolist", "ndimension", "nelement", "stride", "getattr")
+)
 _BOOL_OUT = frozenset(
     (
         "eq",
@@ -80,10 +82,25 @@ _BOOL_OUT = frozenset(
 )
 # ops whose result has the dtype of their first (data) input even when their other inputs
 # (weights, running statistics) are float32: the mixed-dtype normalisation kernels
-_FIRST_INPUT = frozenset(("layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm", "local_response_norm"))
+_FIRST_INPUT = frozenset(
+    ("layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm", "local_response_norm")
+)
 _INT_OUT = frozenset(("argmax", "argmin", "argsort", "nonzero", "bucketize", "searchsorted"))
 _FACTORIES = frozenset(
-    ("zeros", "ones", "empty", "full", "rand", "randn", "arange", "linspace", "logspace", "eye", "tensor", "as_tensor")
+    (
+        "zeros",
+        "ones",
+        "empty",
+        "full",
+        "rand",
+        "randn",
+        "arange",
+        "linspace",
+        "logspace",
+        "eye",
+        "tensor",
+        "as_tensor",
+    )
 )
 
 
@@ -116,11 +133,15 @@ def _promote(inputs: list[Info]) -> Info:
     kind = "tensor" if all(i.kind == "tensor" for i in tensors) else "unknown"
     if not floating:
         return Info(kind, tensors[0].dtype, exact=all(i.exact for i in tensors))
-    dtype = floating[0].dtype
-    for i in floating[1:]:
-        assert i.dtype is not None  # noqa: S101 - narrowed above
-        dtype = torch.promote_types(dtype, i.dtype) if dtype is not None else i.dtype
+    dtype = _widest([i.dtype for i in floating if i.dtype is not None])
     return Info(kind, dtype, exact=all(i.exact for i in floating))
+
+
+def _widest(dtypes: list[torch.dtype]) -> torch.dtype | None:
+    widest: torch.dtype | None = None
+    for dtype in dtypes:
+        widest = dtype if widest is None else torch.promote_types(widest, dtype)
+    return widest
 
 
 def _cast_info(value: Info, dtype: torch.dtype) -> Info:
@@ -146,14 +167,14 @@ def _infer_node(node: fx.Node, infos: dict[fx.Node, Info], root: nn.Module) -> I
             return UNKNOWN
         return Info("tensor", torch.float32, exact=False)
     if node.op == "get_attr":
-        target = str(node.target)
+        path = str(node.target)
         try:
-            value: Any = root.get_parameter(target)
+            value: Any = root.get_parameter(path)
         except AttributeError:
             try:
-                value = root.get_buffer(target)
+                value = root.get_buffer(path)
             except AttributeError:
-                value = _resolve(root, target)
+                value = _resolve(root, path)
         return _tensor_info(value)
     if node.op == "output":
         return OTHER
@@ -162,7 +183,17 @@ def _infer_node(node: fx.Node, infos: dict[fx.Node, Info], root: nn.Module) -> I
         return explicit
     target = node.target
     if target is ops.cast:
-        return _cast_info(infos.get(node.args[0], UNKNOWN), node.args[1])  # type: ignore[arg-type]
+        value, dtype = infos.get(node.args[0], UNKNOWN), node.args[1]  # type: ignore[arg-type]
+        if isinstance(dtype, fx.Node):  # promote: the widest floating input, found at run time
+            candidates = [infos.get(n, UNKNOWN) for n in dtype.all_input_nodes]
+            widest = _widest([c.dtype for c in candidates if c.castable and c.dtype is not None])
+            if widest is None:
+                return value
+            cast = _cast_info(value, widest)
+            return Info(
+                cast.kind, cast.dtype, exact=cast.exact and all(c.exact for c in candidates)
+            )
+        return _cast_info(value, dtype)  # type: ignore[arg-type]
     if target is ops.widest_dtype:
         return OTHER
     inputs = _arg_infos(node, infos)
@@ -191,7 +222,11 @@ def _infer_node(node: fx.Node, infos: dict[fx.Node, Info], root: nn.Module) -> I
         other = infos.get(node.args[1], UNKNOWN)  # type: ignore[arg-type]
         return Info("tensor", other.dtype, exact=other.exact)
     if name in _BOOL_OUT:
-        return Info("tensor", torch.bool, exact=True) if all(i.kind != "unknown" for i in inputs) else UNKNOWN
+        return (
+            Info("tensor", torch.bool, exact=True)
+            if all(i.kind != "unknown" for i in inputs)
+            else UNKNOWN
+        )
     if name in _FIRST_INPUT and inputs:
         return inputs[0]
     if name in _INT_OUT:
@@ -204,7 +239,15 @@ def _infer_node(node: fx.Node, infos: dict[fx.Node, Info], root: nn.Module) -> I
 
 
 _SCALAR_OPS = frozenset(
-    (operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.neg)
+    (
+        operator.add,
+        operator.sub,
+        operator.mul,
+        operator.truediv,
+        operator.floordiv,
+        operator.mod,
+        operator.neg,
+    )
 )
 
 

@@ -34,15 +34,21 @@ PRECISION_TAG = "mixprec_precision"
 
 def is_helper(node: Any) -> bool:
     """True for nodes mixprec inserted (casts and widest-dtype lookups)."""
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in (ops.cast, ops.widest_dtype)
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and node.target in (ops.cast, ops.widest_dtype)
+    )
 
 
 def _is_inplace(node: fx.Node) -> bool:
-    name = ops.op_name(node.target) if node.op != "call_module" else ""  # type: ignore[arg-type]
+    name = ops.op_name(node.target) if node.op != "call_module" else ""
     return name.endswith("_") and not name.endswith("__")
 
 
-def _cast_before(graph: fx.Graph, node: fx.Node, dtype: torch.dtype | fx.Node, infos: dict[fx.Node, Info]) -> None:
+def _cast_before(
+    graph: fx.Graph, node: fx.Node, dtype: torch.dtype | fx.Node, infos: dict[fx.Node, Info]
+) -> None:
     def rewrite(arg: fx.Node) -> fx.Node:
         if infos.get(arg, Info("unknown")).kind == "other":
             return arg

@@ -77,7 +77,9 @@ class CastAtUseForward:
         self.slots = slots
         self.output_dtype = output_dtype
         self.inner: Callable[..., Any] | None = module.__dict__.get("forward")
-        self.recurrent = tuple({id(s.owner): s.owner for s in slots if isinstance(s.owner, nn.RNNBase)}.values())
+        self.recurrent = tuple(
+            {id(s.owner): s.owner for s in slots if isinstance(s.owner, nn.RNNBase)}.values()
+        )
         self._cache: dict[int, tuple[tuple[int, int, torch.device], torch.Tensor]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -127,7 +129,9 @@ class CastAtUseForward:
                 if low is None:
                     low = lows[id(tensor)] = self._low(tensor)
                 table[slot.name] = low
-                swapped.append((table, slot.name, tensor, low, _version(low) if slot.is_buffer else None))
+                swapped.append(
+                    (table, slot.name, tensor, low, _version(low) if slot.is_buffer else None)
+                )
             for rnn in self.recurrent:
                 rnn._init_flat_weights()
         except BaseException:
@@ -175,7 +179,9 @@ def _cast_inputs_hook(
     return cast_tree(args, dtype), cast_tree(kwargs, dtype)
 
 
-def _cast_output_hook(dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+def _cast_output_hook(
+    dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], output: Any
+) -> Any:
     return cast_tree(output, dtype)
 
 
@@ -215,7 +221,9 @@ def convert_module_level(
     root = structural_copy(network) if copy else network
     low = recipe.dtype
     slots: list[Slot] = []
-    rows: list[PlanRow] = [PlanRow(prefix, "inputs", dtype_name(low), ("floating inputs -> " + dtype_name(low),))]
+    rows: list[PlanRow] = [
+        PlanRow(prefix, "inputs", dtype_name(low), ("floating inputs -> " + dtype_name(low),))
+    ]
     seen_modules: set[int] = set()
     seen_tensors: set[int] = set()
 
@@ -227,7 +235,9 @@ def convert_module_level(
         dtype = low if precision is Precision.LOW else torch.float32
         if precision is not parent:
             outer = low if parent is Precision.LOW else torch.float32
-            module.register_forward_pre_hook(functools.partial(_cast_inputs_hook, dtype), with_kwargs=True)
+            module.register_forward_pre_hook(
+                functools.partial(_cast_inputs_hook, dtype), with_kwargs=True
+            )
             module.register_forward_hook(functools.partial(_cast_output_hook, outer))
             rows.append(
                 PlanRow(
@@ -250,14 +260,26 @@ def convert_module_level(
                         cast_here.append(f"{_join(path, name)} -> {dtype_name(low)}")
                     seen_tensors.add(id(tensor))
         if cast_here:
-            rows.append(PlanRow(path, type(module).__name__, dtype_name(dtype), tuple(cast_here), note="weights"))
+            rows.append(
+                PlanRow(
+                    path, type(module).__name__, dtype_name(dtype), tuple(cast_here), note="weights"
+                )
+            )
         for name, child in module._modules.items():
             if child is not None:
                 visit(child, _join(path, name), precision)
 
     visit(root, prefix, Precision.LOW)
     if output_dtype is not None:
-        rows.append(PlanRow(prefix, "outputs", dtype_name(low), (), ("floating outputs -> " + dtype_name(output_dtype),)))
+        rows.append(
+            PlanRow(
+                prefix,
+                "outputs",
+                dtype_name(low),
+                (),
+                ("floating outputs -> " + dtype_name(output_dtype),),
+            )
+        )
     forward = CastAtUseForward(root, low, tuple(slots), output_dtype)
     root.__dict__["forward"] = forward
     plan = CastPlan(level=recipe.level.value, dtype=dtype_name(low), rows=tuple(rows))
@@ -269,5 +291,7 @@ def convert_module_level(
 def make_low_unit(module: nn.Module, recipe: Recipe, prefix: str) -> nn.Module:
     """A whole module computing in low precision, its outputs left low (used for
     white-list modules inside O1 / autocast graphs that cannot be traced)."""
-    unit_recipe = Recipe(level=recipe.level, dtype=recipe.dtype, low_pin=recipe.low_pin, fp32_pin=recipe.fp32_pin)
+    unit_recipe = Recipe(
+        level=recipe.level, dtype=recipe.dtype, low_pin=recipe.low_pin, fp32_pin=recipe.fp32_pin
+    )
     return convert_module_level(module, unit_recipe, output_dtype=None, prefix=prefix, copy=False)

@@ -102,7 +102,11 @@ class CastPlan:
             },
             "runtime_parts": list(self.runtime_parts),
             "rows": [
-                {**asdict(row), "casts_before": list(row.casts_before), "casts_after": list(row.casts_after)}
+                {
+                    **asdict(row),
+                    "casts_before": list(row.casts_before),
+                    "casts_after": list(row.casts_after),
+                }
                 for row in self.rows
             ],
         }
@@ -126,12 +130,18 @@ class CastPlan:
             "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip(),
             "  ".join("-" * w for w in widths),
         ]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in body]
+        lines += [
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in body
+        ]
         lines.append(
             f"totals: {self.num_casts} casts per forward, {self.casts_removed} redundant casts removed, "
             f"{self.ops_low} of {len(self.rows)} ops in {self.dtype}, "
             f"{len(self.runtime_parts)} parts decided at run time"
-            + (f" ({', '.join(p or '(model)' for p in self.runtime_parts)})" if self.runtime_parts else "")
+            + (
+                f" ({', '.join(p or '(model)' for p in self.runtime_parts)})"
+                if self.runtime_parts
+                else ""
+            )
         )
         return "\n".join(lines)
 
@@ -161,7 +171,9 @@ def explain(network: nn.Module) -> CastPlan:
         ValueError: if it was not converted by mixprec.
     """
     if not isinstance(network, nn.Module):
-        raise TypeError(f"network must be a torch.nn.Module; got {type(network).__name__}: {network!r}")
+        raise TypeError(
+            f"network must be a torch.nn.Module; got {type(network).__name__}: {network!r}"
+        )
     conversion = conversion_of(network)
     if not isinstance(conversion, Conversion):
         raise ValueError(

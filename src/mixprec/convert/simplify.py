@@ -49,15 +49,19 @@ def simplify(graph: fx.Graph, root: nn.Module) -> int:
             if not _is_cast(node):
                 continue
             source, dtype = node.args[0], node.args[1]
-            if _is_cast(source) and source.args[1] == torch.float32 and isinstance(dtype, torch.dtype):  # type: ignore[union-attr]
-                node.args = (source.args[0], dtype)  # type: ignore[union-attr]
+            if (
+                _is_cast(source)
+                and source.args[1] == torch.float32
+                and isinstance(dtype, torch.dtype)
+            ):
+                node.args = (source.args[0], dtype)
                 source = node.args[0]
                 changed = True
-            info = infos.get(source)  # type: ignore[arg-type]
-            if info is not None and isinstance(dtype, torch.dtype) and info.exact:
-                if info.dtype == dtype or (info.dtype is not None and not info.castable):
-                    _bypass(node, source)  # type: ignore[arg-type]
-                    changed = True
+            info = infos.get(source)
+            known = info is not None and info.exact and isinstance(dtype, torch.dtype)
+            if known and (info.dtype == dtype or (info.dtype is not None and not info.castable)):  # type: ignore[union-attr]
+                _bypass(node, source)
+                changed = True
         seen: dict[tuple[object, object], fx.Node] = {}
         for node in list(graph.nodes):
             if not _is_cast(node):

@@ -1,0 +1,501 @@
+"""O1 and the autocast level: the torch.fx rewrite, redundant-cast removal and the plan."""
+
+from __future__ import annotations
+
+import copy
+import io
+import operator
+import pickle
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import mixprec as amp
+from helpers import MLP, ConvBranch, SmallCNN, TinyTransformer, count_casts, rel_error
+from mixprec import ops
+
+BF16_TOL = 3e-2  # relative error of a small network in bfloat16 against float32
+
+
+def _casts(gm: nn.Module) -> list[fx.Node]:
+    assert isinstance(gm, fx.GraphModule)
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.cast]
+
+
+# ----------------------------------------------------------------------------- O1
+
+
+def test_o1_conv_relu_conv_stays_low_and_bn_branch_gets_its_own_fp32_copy() -> None:
+    torch.manual_seed(0)
+    model = ConvBranch().eval()
+    x = torch.randn(2, 3, 8, 8)
+    converted = amp.auto_mixed_precision(model, "O1", "bf16")
+    graph = converted.graph
+    conv1 = next(n for n in graph.nodes if n.op == "call_function" and n.target is torch.conv2d)
+    relu = next(n for n in graph.nodes if n.target is F.relu)
+    bn = next(n for n in graph.nodes if n.op == "call_module" and n.target == "bn")
+    assert relu.args[0] is conv1  # no round trip through float32
+    bn_input = bn.args[0]
+    assert bn_input.target is ops.cast
+    assert bn_input.args == (conv1, torch.float32)  # the branch that needs fp32 has a copy
+    out = converted(x)
+    assert out.dtype == torch.float32
+    assert rel_error(out, model(x)) < BF16_TOL
+
+
+def test_o1_white_ops_compute_low_and_the_rest_fp32() -> None:
+    seen: dict[str, torch.dtype] = {}
+
+    class Spy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.norm = nn.LayerNorm(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.fc(x)
+            z = self.norm(y)
+            return torch.matmul(z, self.fc.weight) + y.exp()
+
+    model = Spy()
+    converted = amp.auto_mixed_precision(model, "O1", "bf16")
+    dtypes: dict[str, torch.dtype] = {}
+
+    class Watch(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            name = getattr(func, "__name__", "")
+            if name in ("linear", "layer_norm", "matmul", "exp") and isinstance(out, torch.Tensor):
+                dtypes[name] = out.dtype
+            return out
+
+    with Watch():
+        out = converted(torch.randn(2, 4))
+    seen.update(dtypes)
+    assert seen == {
+        "linear": torch.bfloat16,
+        "layer_norm": torch.float32,
+        "matmul": torch.bfloat16,
+        "exp": torch.float32,
+    }
+    assert out.dtype == torch.float32
+    for p, q in zip(model.parameters(), converted.parameters(), strict=True):
+        assert p is q
+        assert p.dtype == torch.float32
+
+
+def test_o1_ops_in_helper_methods_are_traced() -> None:
+    class Helper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def project(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.project(x).softmax(-1)
+
+    model = Helper()
+    converted = amp.auto_mixed_precision(model, "O1", "bf16")
+    matmul = next(n for n in converted.graph.nodes if n.target is operator.matmul)
+    assert [a.target for a in matmul.args] == [ops.cast, ops.cast]
+    assert amp.explain(converted).runtime_parts == ()
+    x = torch.randn(3, 4)
+    assert rel_error(converted(x), model(x)) < BF16_TOL
+
+
+class IfElse(nn.Module):
+    """MindSpore's O1 case: convs chosen by data-dependent control flow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_a = nn.Conv2d(3, 4, 3, padding=1)
+        self.conv_b = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv_a(x) if x.mean() > 0 else self.conv_b(x)
+        return self.head(torch.relu(y)).mean(dim=(2, 3))
+
+
+class Straight(IfElse):
+    """The traceable twin of IfElse (always the first branch)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv_a(x))).mean(dim=(2, 3))
+
+
+@pytest.mark.parametrize("level", ["O1", "autocast"])
+def test_untraceable_module_matches_its_traceable_twin(level: str) -> None:
+    torch.manual_seed(0)
+    branchy = IfElse().eval()
+    straight = Straight().eval()
+    straight.load_state_dict(branchy.state_dict())
+    x = torch.rand(2, 3, 6, 6) + 0.1  # mean > 0: the first branch
+    a = amp.auto_mixed_precision(branchy, level, "bf16")
+    b = amp.auto_mixed_precision(straight, level, "bf16")
+    assert amp.explain(a).runtime_parts == ("",)
+    assert amp.explain(b).runtime_parts == ()
+    assert isinstance(a.conv_a, fx.GraphModule)  # children converted statically
+    out_a, out_b = a(x), b(x)
+    assert out_a.dtype == out_b.dtype
+    torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
+    assert rel_error(out_a.float(), branchy(x)) < BF16_TOL
+
+
+def test_exception_inside_an_untraceable_forward_leaves_no_mode_active() -> None:
+    class Fails(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.fc(x)
+            if y.sum() > -1e9:
+                raise RuntimeError("inside")
+            return y
+
+    converted = amp.auto_mixed_precision(nn.Sequential(nn.Linear(4, 4), Fails()), "O1", "bf16")
+    assert amp.explain(converted).runtime_parts == ("1",)
+    with pytest.raises(RuntimeError, match="inside"):
+        converted(torch.randn(2, 4))
+    assert torch.overrides._get_current_function_mode_stack() == []
+    assert torch.matmul(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.float32
+
+
+def test_runtime_part_applies_lists_to_its_own_ops() -> None:
+    class Dynamic(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(int(x.abs().sum() > 0) + 1):  # data-dependent loop
+                x = torch.relu(x @ self.w)
+            return x.exp()
+
+    seen: list[torch.dtype] = []
+    model = Dynamic()
+    converted = amp.auto_mixed_precision(model, "O1", "bf16")
+    converted.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
+    x = torch.randn(2, 4)
+    out, counter = count_casts(converted, x)
+    assert out.dtype == torch.float32
+    assert counter.total > 0  # matmul and relu were cast to bfloat16 at run time
+    assert counter.casts[(torch.float32, torch.bfloat16)] >= 2
+    assert rel_error(out, model(x)) < 4 * BF16_TOL
+
+
+# ---------------------------------------------------------------- cast counts
+
+
+def _models() -> list[tuple[str, nn.Module, torch.Tensor]]:
+    torch.manual_seed(0)
+    return [
+        ("mlp", MLP(), torch.randn(4, 16)),
+        ("cnn_bn", SmallCNN().eval(), torch.randn(2, 3, 8, 8)),
+        (
+            "encoder",
+            nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True).eval(),
+            torch.randn(2, 5, 16),
+        ),
+        ("transformer", TinyTransformer().eval(), torch.randint(0, 50, (2, 7))),
+    ]
+
+
+@pytest.mark.parametrize(("name", "model", "x"), _models(), ids=[m[0] for m in _models()])
+def test_autocast_level_casts_no_more_than_torch_autocast(
+    name: str, model: nn.Module, x: torch.Tensor
+) -> None:
+    converted = amp.auto_mixed_precision(model, "autocast", "bf16")
+    ours, our_count = count_casts(converted, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs, their_count = count_casts(model, x)
+    assert our_count.total <= their_count.total
+    assert ours.dtype == theirs.dtype
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2)
+    assert amp.explain(converted).num_casts == our_count.total
+
+
+@pytest.mark.parametrize(("name", "model", "x"), _models(), ids=[m[0] for m in _models()])
+def test_o1_does_exactly_what_its_plan_says(name: str, model: nn.Module, x: torch.Tensor) -> None:
+    converted = amp.auto_mixed_precision(model, "O1", "bf16")
+    out, counter = count_casts(converted, x)
+    plan = amp.explain(converted)
+    assert counter.total == plan.num_casts
+    assert out.dtype == torch.float32
+    assert rel_error(out, model(x)) < BF16_TOL
+    # minimal: every floating weight a white op uses is cast once, and no low value takes
+    # a float32 round trip into another low op
+    weights = [n for n in converted.graph.nodes if n.op == "get_attr"]
+    for w in weights:
+        assert sum(1 for u in w.users if u.target is ops.cast) <= 1
+    for cast in _casts(converted):
+        source = cast.args[0]
+        assert not (source.target is ops.cast and source.args[1] == torch.float32)
+
+
+def test_o1_cast_count_of_an_mlp_is_the_closed_form() -> None:
+    # Linear-ReLU-Linear-ReLU-Linear: input, 3 weights, 3 biases down; one result up.
+    converted = amp.auto_mixed_precision(MLP(), "O1", "bf16")
+    _, counter = count_casts(converted, torch.randn(4, 16))
+    assert counter.casts == {(torch.float32, torch.bfloat16): 7, (torch.bfloat16, torch.float32): 1}
+    assert amp.explain(converted).casts_removed > 0
+
+
+def test_an_activation_feeding_q_k_v_is_cast_once() -> None:
+    class QKV(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x * 2.0
+            return F.scaled_dot_product_attention(self.q(x), self.k(x), self.v(x))
+
+    model = QKV()
+    x = torch.randn(2, 3, 8)
+    converted = amp.auto_mixed_precision(model, "autocast", "bf16")
+    _, ours = count_casts(converted, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, theirs = count_casts(model, x)
+    assert amp.explain(converted).num_casts == 1 + 6  # x once, three weights, three biases
+    assert sum(1 for c in _casts(converted) if c.args[0].name == "mul") == 1
+    # torch.autocast casts x once per projection (the attention kernel's own internal
+    # casts are in both counts)
+    assert theirs.total - ours.total == 2
+
+
+# ------------------------------------------------------- autocast level vs torch.autocast
+
+
+def _op_cases() -> list[tuple[str, Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]]:
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    img, w = torch.randn(1, 3, 6, 6), torch.randn(4, 3, 3, 3)
+    target = torch.tensor([0, 1, 2, 3])
+    return [
+        ("linear", lambda x, y: F.linear(x, y), (a, b)),
+        ("matmul", lambda x, y: x @ y, (a, b)),
+        ("mm", torch.mm, (a, b)),
+        ("bmm", torch.bmm, (a[None], b[None])),
+        ("addmm", lambda x, y: torch.addmm(x, x, y), (a, b)),
+        ("conv2d", F.conv2d, (img, w)),
+        ("einsum", lambda x, y: torch.einsum("ij,jk->ik", x, y), (a, b)),
+        ("sdpa", lambda x, y: F.scaled_dot_product_attention(x[None], y[None], y[None]), (a, b)),
+        ("softmax", lambda x: torch.softmax(x @ x, -1), (a,)),
+        ("layer_norm", lambda x: F.layer_norm(x @ x, (4,)), (a,)),
+        ("exp", lambda x: (x @ x).exp(), (a,)),
+        ("cross_entropy", lambda x: F.cross_entropy(x @ x, target), (a,)),
+        ("mse_loss", lambda x, y: F.mse_loss(x @ y, y), (a, b)),
+        ("prod", lambda x: (x @ x).prod(dim=0), (a,)),
+        ("cdist", lambda x, y: torch.cdist(x @ y, y), (a, b)),
+        ("cat", lambda x, y: torch.cat([x @ y, y]), (a, b)),
+        ("stack", lambda x, y: torch.stack([x @ y, y]), (a, b)),
+        ("add", lambda x, y: (x @ y) + y, (a, b)),
+        ("relu", lambda x: torch.relu(x @ x), (a,)),
+        ("sum", lambda x: (x @ x).sum(), (a,)),
+    ]
+
+
+@pytest.mark.parametrize(("name", "fn", "inputs"), _op_cases(), ids=[c[0] for c in _op_cases()])
+def test_autocast_level_makes_torch_autocast_decision(
+    name: str, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]
+) -> None:
+    class Op(nn.Module):
+        def forward(self, *args: torch.Tensor) -> torch.Tensor:
+            return fn(*args)
+
+    converted = amp.auto_mixed_precision(Op(), "autocast", "bf16")
+    ours = converted(*inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs = Op()(*inputs)
+    assert ours.dtype == theirs.dtype, name
+    torch.testing.assert_close(ours, theirs, rtol=1.6e-2, atol=1e-2)
+
+
+def test_promote_ops_run_in_the_widest_input_type() -> None:
+    class Cat(nn.Module):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.index_copy(x @ x, 0, torch.tensor([0]), y)
+
+    converted = amp.auto_mixed_precision(Cat(), "autocast", "bf16")
+    out = converted(torch.randn(2, 2), torch.randn(1, 2))
+    assert out.dtype == torch.float32  # bf16 matmul result promoted to meet the fp32 source
+
+
+# --------------------------------------------------------------------- coverage
+
+
+class Everything(nn.Module):
+    """Keyword inputs, several nested outputs, non-tensor and int/bool/float64 arguments,
+    buffers, containers, a shared block used twice, MHA, LSTM and GRU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.seq = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.heads = nn.ModuleDict({"a": nn.Linear(8, 2), "b": nn.Linear(8, 3)})
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.gru = nn.GRU(8, 8, batch_first=True)
+        self.register_buffer("bias", torch.full((8,), 0.1))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        *,
+        mask: torch.Tensor,
+        f64: torch.Tensor,
+        scale: float = 1.0,
+        mode: str = "sum",
+    ) -> dict[str, object]:
+        h = self.shared(self.shared(x)) + self.bias
+        h = self.seq(h) * scale
+        for block in self.blocks:
+            h = block(h)
+        h, _ = self.attn(h, h, h, need_weights=False)
+        h, _ = self.lstm(h)
+        h, _ = self.gru(h)
+        pooled = h.sum(1) if mode == "sum" else h.mean(1)
+        return {
+            "a": self.heads["a"](pooled),
+            "nested": (self.heads["b"](pooled), [ids + 1, mask & True]),
+            "f64": f64 * 2,
+            "mode": mode,
+        }
+
+
+@pytest.mark.parametrize("level", ["O1", "autocast"])
+def test_everything_model(level: str) -> None:
+    torch.manual_seed(0)
+    model = Everything().eval()
+    args = (torch.randn(2, 5, 8), torch.arange(3))
+    kwargs = {
+        "mask": torch.tensor([True, False]),
+        "f64": torch.ones(2, dtype=torch.float64),
+        "scale": 0.5,
+    }
+    expected = model(*args, **kwargs)
+    converted = amp.auto_mixed_precision(model, level, "bf16")
+    out = converted(*args, **kwargs)
+    float_out = torch.float32 if level == "O1" else torch.bfloat16
+    assert out["a"].dtype == float_out
+    assert out["nested"][0].dtype == float_out
+    assert out["nested"][1][0].dtype == torch.int64
+    assert out["nested"][1][1].dtype == torch.bool
+    assert out["f64"].dtype == torch.float64
+    assert out["mode"] == "sum"
+    assert rel_error(out["a"].float(), expected["a"]) < 2 * BF16_TOL
+    assert sorted(converted.state_dict()) == sorted(model.state_dict())
+    plan = amp.explain(converted)
+    units = {row.path for row in plan.rows if row.note == "unit"}
+    assert units == {"attn", "lstm", "gru"}
+    shared_casts = [
+        c for row in plan.rows for c in row.casts_before if c.startswith("shared.weight")
+    ]
+    assert len(shared_casts) == 1  # the shared block's weight is cast once for both uses
+
+
+def test_print_deepcopy_pickle_state_dict() -> None:
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    model.register_buffer("unused", torch.ones(2))
+    model.register_buffer("scratch", torch.ones(3), persistent=False)
+    converted = amp.auto_mixed_precision(model, "O1", "bf16")
+    assert "mixprec_ops_cast(x, torch.bfloat16)" in converted.code
+    assert "mixprec: level=O1, dtype=bfloat16" in repr(converted)
+    assert list(converted.state_dict()) == list(model.state_dict())
+    x = torch.randn(2, 3, 6, 6)
+    expected = converted(x)
+    buffer = io.BytesIO()
+    torch.save(converted, buffer)
+    buffer.seek(0)
+    for other in (
+        copy.deepcopy(converted),
+        pickle.loads(pickle.dumps(converted)),
+        torch.load(buffer, weights_only=False),
+    ):
+        assert torch.equal(other(x), expected)
+        assert list(other.state_dict()) == list(model.state_dict())
+        assert amp.explain(other).num_casts == amp.explain(converted).num_casts
+        assert _casts(other)  # the casts survive re-tracing
+
+
+def test_compile_and_export() -> None:
+    torch.manual_seed(0)
+    converted = amp.auto_mixed_precision(MLP((8, 8, 4)), "O1", "bf16")
+    x = torch.randn(2, 8)
+    expected = converted(x)
+    compiled = torch.compile(converted, backend="eager")
+    assert torch.equal(compiled(x), expected)
+    exported = torch.export.export(converted, (x,))
+    assert torch.equal(exported.module()(x), expected)
+
+
+# ------------------------------------------------------------------ custom lists
+
+
+def my_scale(x: torch.Tensor) -> torch.Tensor:
+    """A user function (module-level, so tracing can keep it as one call)."""
+    return x * 3.0
+
+
+def test_custom_white_list_with_classes_and_functions() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.norm = nn.LayerNorm(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(my_scale(self.norm(self.fc(x))))
+
+    converted = amp.custom_mixed_precision(
+        Net(), white_list=[nn.LayerNorm, torch.tanh, my_scale], dtype="bf16"
+    )
+    low = {row.op for row in amp.explain(converted).rows if row.dtype == "bfloat16"}
+    assert low == {"layer_norm", "my_scale", "tanh"}  # Linear is not on this list
+    assert converted(torch.randn(2, 4)).dtype == torch.float32
+
+
+def test_pins_beat_the_lists() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
+    by_path = amp.auto_mixed_precision(model, "O1", "bf16", fp32_modules=["0"], low_modules=["1"])
+    rows = {
+        row.path: row.dtype
+        for row in amp.explain(by_path).rows
+        if row.op in ("linear", "layer_norm")
+    }
+    assert rows == {"0": "float32", "1.0": "bfloat16", "1.1": "bfloat16"}
+    by_filter = amp.auto_mixed_precision(
+        model, "autocast", "bf16", fp32_modules=lambda module, name: isinstance(module, nn.Linear)
+    )
+    rows = {row.path: row.dtype for row in amp.explain(by_filter).rows if row.op == "linear"}
+    assert rows == {"0": "float32", "1.0": "float32"}
+
+
+# -------------------------------------------------------------------------- plan
+
+
+def test_plan_table_and_dict() -> None:
+    converted = amp.auto_mixed_precision(SmallCNN(), "O1", "bf16")
+    plan = amp.explain(converted)
+    table = str(plan)
+    lines = table.splitlines()
+    assert lines[0].startswith("cast plan: level O1, bfloat16")
+    header = lines[1]
+    assert header.split() == ["path", "op", "computes", "in", "casts", "before", "casts", "after"]
+    assert lines[-1].startswith(f"totals: {plan.num_casts} casts per forward")
+    column = header.index("computes in")
+    assert all(line[column - 2 : column] == "  " for line in lines[3:-1])  # aligned
+    data = plan.to_dict()
+    assert data["totals"]["casts_per_forward"] == plan.num_casts
+    assert data["totals"]["casts_removed"] == plan.casts_removed
+    assert len(data["rows"]) == len(plan.rows)
+    assert {"path", "op", "dtype", "casts_before", "casts_after", "note"} <= set(data["rows"][0])
