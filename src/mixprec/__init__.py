@@ -13,11 +13,30 @@ from mixprec.convert.api import (
 )
 from mixprec.convert.plan import CastPlan, explain
 from mixprec.levels import Level
+from mixprec.scaling import (
+    DynamicLossScaleManager,
+    DynamicLossScaler,
+    FixedLossScaleManager,
+    LossScaleManager,
+    LossScaler,
+    StaticLossScaler,
+    all_finite,
+)
+from mixprec.train import TrainStep, build_train_network
 
 __all__ = [
     "CastPlan",
+    "DynamicLossScaleManager",
+    "DynamicLossScaler",
+    "FixedLossScaleManager",
     "Level",
+    "LossScaleManager",
+    "LossScaler",
+    "StaticLossScaler",
+    "TrainStep",
+    "all_finite",
     "auto_mixed_precision",
+    "build_train_network",
     "custom_mixed_precision",
     "explain",
     "get_black_list",

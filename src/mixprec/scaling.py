@@ -1,18 +1,19 @@
 """Loss scaling: the overflow check, the next-scale rule, host managers and functional scalers.
 
-Two layers. Tensor functions and the functional scalers (:class:`StaticLossScaler`,
-:class:`DynamicLossScaler`) keep their state in tensors and never synchronize with the
-host, so a step can run ahead of the device. The managers (:class:`FixedLossScaleManager`,
-:class:`DynamicLossScaleManager`, MindSpore's API) hold plain Python numbers for a training
+Two layers. The tensor functions and the functional scalers (:class:`StaticLossScaler`,
+:class:`DynamicLossScaler`) keep their state in tensors and never synchronize with the host,
+so a step can run ahead of the device. The managers (:class:`FixedLossScaleManager`,
+:class:`DynamicLossScaleManager`, MindSpore's API) hold plain Python numbers, for a training
 step that already reads its overflow flag once per step.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -31,47 +32,44 @@ __all__ = [
 ]
 
 _Scaler = TypeVar("_Scaler", bound="LossScaler")
-_Groups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
+_Check = Callable[[object, str], Any]  # (value, argument name) -> the validated value
 
 
-# --- validation -------------------------------------------------------------------------------
-
-
-def _check_loss_scale(value: object, name: str) -> float:
+def _check_number(value: object, name: str, *, low: float, strict: bool = False) -> float:
+    bound = f"{'>' if strict else '>='} {low:g}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number >= 1 (int or float); got {value!r}")
-    if not (math.isfinite(value) and value >= 1):
-        raise ValueError(f"{name} must be a finite number >= 1; got {value!r}")
-    return float(value)
+        raise TypeError(f"{name} must be a real number {bound} (int or float); got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number < low or (strict and number == low):
+        raise ValueError(f"{name} must be a finite number {bound}; got {value!r}")
+    return number
 
 
-def _check_factor(value: object, name: str = "scale_factor") -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number > 1 (int or float); got {value!r}")
-    if not (math.isfinite(value) and value > 1):
-        raise ValueError(f"{name} must be a finite number > 1; got {value!r}")
-    return float(value)
+_check_loss_scale = functools.partial(_check_number, low=1)
+_check_factor = functools.partial(_check_number, low=1, strict=True)
 
 
-def _check_count(value: object, name: str, *, minimum: int) -> int:
+def _check_count(value: object, name: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int >= {minimum} (not a bool); got {value!r}")
-    if value < minimum:
+    if int(value) < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
     return int(value)
 
 
-def _check_drop(value: object) -> bool:
+_check_steps = functools.partial(_check_count, minimum=0)
+
+
+def _check_bool(value: object, name: str) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"drop_overflow_update must be a bool (True or False); got {value!r}")
+        raise TypeError(f"{name} must be a bool (True or False); got {value!r}")
     return value
 
 
 def _check_state(state: object, expected: Iterable[str], owner: str) -> Mapping[str, Any]:
     if not isinstance(state, Mapping):
         raise TypeError(f"{owner}.load_state_dict: state must be a dict; got {state!r}")
-    missing = sorted(set(expected) - set(state))
-    unknown = sorted(set(state) - set(expected))
+    missing, unknown = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unknown:
         raise ValueError(
             f"{owner}.load_state_dict: state has missing keys {missing} and unknown keys "
@@ -80,23 +78,33 @@ def _check_state(state: object, expected: Iterable[str], owner: str) -> Mapping[
     return state
 
 
-# --- tensor functions (no host sync) ----------------------------------------------------------
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # Host-to-device and device-to-device copies are async; a device-to-host copy must block
+    # (a non_blocking one could be read before it lands), so only that one may wait.
+    return t.to(device, non_blocking=device.type != "cpu")
 
 
-def _group(tensors: Iterable[object], argument: str) -> _Groups:
-    """Floating, non-empty tensors by (device, dtype); sparse tensors by their values."""
+def _group(
+    tensors: object, argument: str, *, strict: bool = False
+) -> dict[tuple[torch.device, torch.dtype], list[Any]]:
+    """Floating, non-empty tensors by (device, dtype); sparse ones by their values.
+
+    Other tensors are skipped, or with ``strict`` refused.
+    """
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
     elif isinstance(tensors, Mapping):
         tensors = tensors.values()
-    groups: _Groups = {}
+    if not isinstance(tensors, Iterable):
+        raise TypeError(f"{argument} must be an iterable of tensors; got {tensors!r}")
+    groups: dict[tuple[torch.device, torch.dtype], list[Any]] = {}
     for i, t in enumerate(tensors):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{argument} must hold tensors (or None); item {i} is {t!r}")
-        values = t._values() if t.is_sparse else t
-        if values.is_floating_point() and values.numel() > 0:
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{argument} must hold tensors (or None); got {t!r} at item {i}")
+        if strict and t is not None and not t.is_floating_point():
+            raise TypeError(f"{argument} must be floating tensors; got {t.dtype} at item {i}")
+        values = t._values() if t is not None and t.is_sparse else t
+        if values is not None and values.is_floating_point() and values.numel() > 0:
             groups.setdefault((values.device, values.dtype), []).append(values)
     return groups
 
@@ -104,30 +112,29 @@ def _group(tensors: Iterable[object], argument: str) -> _Groups:
 def all_finite(tensors: Iterable[torch.Tensor | None] | torch.Tensor) -> torch.Tensor:
     """True iff no tensor holds an inf or a NaN, as a 0-dim bool tensor (no host sync).
 
-    Non-floating tensors and ``None`` are ignored; an empty input is finite. The result is
-    on the first floating tensor's device (CPU when there is none).
+    Non-floating tensors and ``None`` are ignored; an empty input is finite. The result lives
+    on the first accelerator among the tensors' devices, else on the CPU.
 
     Example:
         >>> all_finite([torch.ones(2), torch.tensor([1.0, float("nan")])])
         tensor(False)
     """
-    groups = _group(tensors, "tensors")
-    if not groups:
-        return torch.tensor(True)
     flags = []
     with torch.no_grad():
-        for group in groups.values():
-            # The max-abs norm is inf/NaN iff some element is (its kernels propagate NaN), it
-            # cannot overflow for finite inputs (unlike L2), it only reads the tensors, and
-            # _foreach_norm fuses a (device, dtype) group into a few launches on CUDA. The AMP
-            # check-and-unscale kernel would write every element (bumping version counters and
-            # failing on leaves that require grad) for the same answer.
+        for group in _group(tensors, "tensors").values():
+            # max|x| is inf/NaN iff some element is (the kernels propagate NaN), cannot overflow
+            # for finite inputs (an L2 norm can), only reads, and _foreach_norm fuses a
+            # (device, dtype) group into a few launches. The AMP check-and-unscale kernel with
+            # a unit scale gives the same answer but writes every element (bumping version
+            # counters, refusing leaves that require grad), so it costs twice the traffic.
             norms = torch._foreach_norm(group, ord=math.inf)
             flags.append(torch.stack(norms).isfinite().all())
+    if not flags:
+        return torch.tensor(True)
     if len(flags) == 1:
         return flags[0]
-    device = flags[0].device
-    return torch.stack([f.to(device, non_blocking=True) for f in flags]).all()
+    home = next((f.device for f in flags if f.device.type != "cpu"), flags[0].device)
+    return torch.stack([_to(f, home) for f in flags]).all()
 
 
 def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -141,19 +148,14 @@ def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
 
 
 def unscale_grads_(grads: Sequence[torch.Tensor | None], inv_scale: torch.Tensor) -> torch.Tensor:
-    """Multiply every gradient by ``inv_scale`` in place; return ``found_inf`` (no host sync).
+    """Multiply every gradient by ``inv_scale`` in place and report inf/NaN (no host sync).
 
-    Uses the fused ``torch._amp_foreach_non_finite_check_and_unscale_`` once per
-    (device, dtype) group. ``None`` entries are skipped; sparse gradients are unscaled
-    through their values.
+    One fused ``torch._amp_foreach_non_finite_check_and_unscale_`` per (device, dtype) group.
+    ``None`` entries are skipped; sparse gradients are unscaled through their values.
 
-    Args:
-        grads: floating gradients, on any devices and in any floating dtypes.
-        inv_scale: a one-element tensor, usually :func:`inverse_scale` of the loss scale.
-
-    Returns:
-        A 0-dim float32 tensor on ``inv_scale``'s device: 1.0 if any gradient held an inf
-        or a NaN, else 0.0.
+    ``grads`` may be on any devices, in any floating dtypes; ``inv_scale`` is a one-element
+    tensor, usually :func:`inverse_scale` of the loss scale. Returns ``found_inf``: a 0-dim
+    float32 tensor on ``inv_scale``'s device, 1.0 if any gradient held an inf/NaN, else 0.0.
 
     Example:
         >>> g = [torch.full((2,), 1024.0)]
@@ -162,22 +164,18 @@ def unscale_grads_(grads: Sequence[torch.Tensor | None], inv_scale: torch.Tensor
     """
     if not isinstance(inv_scale, torch.Tensor) or inv_scale.numel() != 1:
         raise TypeError(f"inv_scale must be a one-element tensor; got {inv_scale!r}")
-    for i, g in enumerate(grads):
-        if isinstance(g, torch.Tensor) and not g.is_floating_point():
-            raise TypeError(f"grads must be floating tensors; grads[{i}] has dtype {g.dtype}")
     inv_scale = inv_scale.reshape(()).float()
     found: dict[torch.device, torch.Tensor] = {}
     invs: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
-        for (device, _), group in _group(grads, "grads").items():
+        for (device, _), group in _group(grads, "grads", strict=True).items():
             if device not in found:
                 found[device] = torch.zeros((), dtype=torch.float32, device=device)
-                invs[device] = inv_scale.to(device, non_blocking=True)
+                invs[device] = _to(inv_scale, device)
             torch._amp_foreach_non_finite_check_and_unscale_(group, found[device], invs[device])
-    home = inv_scale.device
-    flags = [f.to(home, non_blocking=True) for f in found.values()]
+    flags = [_to(f, inv_scale.device) for f in found.values()]
     if not flags:
-        return torch.zeros((), dtype=torch.float32, device=home)
+        return torch.zeros((), dtype=torch.float32, device=inv_scale.device)
     return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
 
 
@@ -188,9 +186,9 @@ def next_dynamic_scale(
     factor: float,
     window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dynamic loss-scale rule, on tensors: returns the next ``(scale, counter)``.
+    """The dynamic loss-scale rule on tensors: returns the next ``(scale, counter)``.
 
-    Pure (new tensors; the inputs are not changed) and sync-free (``torch.where``)::
+    Pure (new tensors, inputs unchanged) and sync-free (``torch.where``, never ``if``)::
 
         if finite:
             if counter == window - 1 and isfinite(scale * factor):
@@ -200,61 +198,57 @@ def next_dynamic_scale(
             scale = max(1, scale / factor)
             counter = 0
 
-    Args:
-        scale: 0-dim float32 loss scale.
-        counter: 0-dim int32 count of clean steps since the last change.
-        finite: whether this step's gradients were finite (0-dim bool tensor or bool).
-        factor: growth and back-off factor, > 1.
-        window: clean steps between growths, >= 1.
+    ``scale`` is 0-dim float32, ``counter`` 0-dim int32 (clean steps since the last change),
+    ``finite`` a 0-dim bool tensor or a bool (True: no inf/NaN this step).
 
     Example:
         >>> next_dynamic_scale(torch.tensor(8.0), torch.tensor(2), True, 2, 3)
         (tensor(16.), tensor(0))
     """
-    factor = _check_factor(factor)
-    window = _check_count(window, "window", minimum=1)
-    if isinstance(finite, torch.Tensor):
-        if finite.dtype != torch.bool:
-            raise TypeError(
-                f"finite must be a bool tensor (True = no overflow); got {finite.dtype}"
-            )
-        finite = finite.reshape(()).to(scale.device, non_blocking=True)
-    else:
-        finite = torch.tensor(bool(finite), device=scale.device)
+    factor = _check_factor(factor, "factor")
+    window = _check_count(window, "window")
     grown = scale * factor
-    grown = torch.where(grown.isfinite(), grown, scale)
-    kept = torch.where(counter.to(scale.device) == window - 1, grown, scale)
-    new_scale = torch.where(finite, kept, torch.clamp_min(scale / factor, 1.0))
-    new_counter = torch.where(finite.to(counter.device), (counter + 1) % window, 0)
-    return new_scale, new_counter.to(counter.dtype)
+    grown = torch.where(grown.isfinite() & (counter == window - 1), grown, scale)
+    backed_off = torch.clamp_min(scale / factor, 1.0)
+    if isinstance(finite, bool):  # known on the host: pick the branch here
+        return (grown, (counter + 1) % window) if finite else (backed_off, counter.new_zeros(()))
+    if not isinstance(finite, torch.Tensor) or finite.dtype != torch.bool:
+        got = finite.dtype if isinstance(finite, torch.Tensor) else repr(finite)  # no tensor repr
+        raise TypeError(f"finite must be a bool or a bool tensor (True = no overflow); got {got}")
+    finite = _to(finite.reshape(()), scale.device)
+    new_counter = torch.where(finite, (counter + 1) % window, counter.new_zeros(()))
+    return torch.where(finite, grown, backed_off), new_counter
 
 
 def _mul_floating(tree: Any, factor: torch.Tensor) -> Any:
     """Multiply every floating tensor in a nested structure by ``factor``, keeping dtypes.
 
-    Low-precision tensors are multiplied in float32 so a large scale (2**24 is inf in
-    float16) or a tiny inverse never rounds before the product does.
+    Low-precision tensors are multiplied in float32: 2**24 is inf in float16.
     """
 
     def mul(x: torch.Tensor) -> torch.Tensor:
         if not x.is_floating_point():
             return x
-        wide = torch.promote_types(x.dtype, torch.float32)
-        return (x.to(wide) * factor.to(x.device, non_blocking=True)).to(x.dtype)
+        f = factor if factor.device.type == "cpu" else _to(factor, x.device)  # CPU 0-dim: scalar
+        return (x.to(torch.promote_types(x.dtype, torch.float32)) * f).to(x.dtype)
 
     return tree_map_only(torch.Tensor, mul, tree)
 
 
-# --- functional scalers (state in tensors) ----------------------------------------------------
-
-
 class LossScaler:
-    """Base functional scaler: scales nothing and never adjusts (a harmless pass-through).
+    """Base functional scaler: scales nothing and never adjusts (a pass-through).
+
+    Subclasses name their state: ``_TENSORS`` (0-dim tensors, attributes ``_<name>``) and
+    ``_CONFIG`` (numbers, with validators); ``state_dict``, ``load_state_dict``, ``to`` and
+    ``repr`` cover exactly those, with no host sync.
 
     Example:
         >>> LossScaler().scale(torch.tensor(2.0))
         tensor(2.)
     """
+
+    _TENSORS: ClassVar[tuple[str, ...]] = ()
+    _CONFIG: ClassVar[dict[str, _Check]] = {}
 
     def scale(self, inputs: Any) -> Any:
         """Multiply every floating tensor in ``inputs`` (any nesting) by the loss scale."""
@@ -265,22 +259,56 @@ class LossScaler:
         return inputs
 
     def adjust(self, grads_finite: torch.Tensor | bool) -> bool:
-        """Update the scale for this step's overflow flag; True if the policy adjusts."""
+        """Update the scale from this step's overflow flag; True if the policy adjusts."""
         return False
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        state = {name: getattr(self, f"_{name}").detach().clone() for name in self._TENSORS}
+        return state | {name: getattr(self, f"_{name}") for name in self._CONFIG}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        _check_state(state, (), type(self).__name__)
+        state = _check_state(state, (*self._TENSORS, *self._CONFIG), type(self).__name__)
+        config = {name: check(state[name], name) for name, check in self._CONFIG.items()}
+        for name in self._TENSORS:
+            getattr(self, f"_{name}").copy_(torch.as_tensor(state[name]).reshape(()))
+        for name, value in config.items():
+            setattr(self, f"_{name}", value)
 
     def to(self: _Scaler, device: torch.device | str) -> _Scaler:
         """Move the state tensors to ``device``; returns ``self``."""
+        for name in self._TENSORS:
+            setattr(self, f"_{name}", getattr(self, f"_{name}").to(device))
         return self
 
+    def __repr__(self) -> str:
+        args = [f"{name}={getattr(self, f'_{name}')!r}" for name in self._CONFIG]
+        if self._TENSORS:
+            args.append(f"device={getattr(self, f'_{self._TENSORS[0]}').device}")
+        return f"{type(self).__name__}({', '.join(args)})"
 
-class StaticLossScaler(LossScaler):
-    """A constant loss scale.
+
+class _TensorScaler(LossScaler):
+    """A loss scale held in a 0-dim float32 tensor ``scale_value`` (shared implementation)."""
+
+    _TENSORS: ClassVar[tuple[str, ...]] = ("scale_value",)
+
+    def __init__(self, scale_value: float) -> None:
+        self._scale_value = torch.tensor(_check_loss_scale(scale_value, "scale_value"))
+
+    @property
+    def scale_value(self) -> torch.Tensor:
+        """The loss scale, a 0-dim float32 tensor."""
+        return self._scale_value
+
+    def scale(self, inputs: Any) -> Any:
+        return _mul_floating(inputs, self._scale_value)
+
+    def unscale(self, inputs: Any) -> Any:
+        return _mul_floating(inputs, inverse_scale(self._scale_value))
+
+
+class StaticLossScaler(_TensorScaler):
+    """A constant loss scale; :meth:`adjust` changes nothing and returns False.
 
     Example:
         >>> scaler = StaticLossScaler(1024)
@@ -288,46 +316,17 @@ class StaticLossScaler(LossScaler):
         (tensor(1024.), tensor(1.))
     """
 
-    def __init__(self, scale_value: float) -> None:
-        self._scale = torch.tensor(_check_loss_scale(scale_value, "scale_value"))
-        self._inv = inverse_scale(self._scale)
 
-    @property
-    def scale_value(self) -> torch.Tensor:
-        """The loss scale, a 0-dim float32 tensor."""
-        return self._scale
-
-    def scale(self, inputs: Any) -> Any:
-        return _mul_floating(inputs, self._scale)
-
-    def unscale(self, inputs: Any) -> Any:
-        return _mul_floating(inputs, self._inv)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"scale_value": self._scale.detach().clone()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        state = _check_state(state, ("scale_value",), type(self).__name__)
-        self._scale.copy_(torch.as_tensor(state["scale_value"]).reshape(()))
-        self._inv = inverse_scale(self._scale)
-
-    def to(self, device: torch.device | str) -> StaticLossScaler:
-        self._scale, self._inv = self._scale.to(device), self._inv.to(device)
-        return self
-
-    def __repr__(self) -> str:
-        return f"StaticLossScaler(device={self._scale.device})"
-
-
-class DynamicLossScaler(LossScaler):
+class DynamicLossScaler(_TensorScaler):
     """A loss scale that backs off on overflow and grows after a window of clean steps.
 
-    It looks for the largest scale that keeps gradients finite. The state is two 0-dim
-    tensors updated in place, with no host sync (:func:`next_dynamic_scale`)::
+    It looks for the largest scale that keeps the gradients finite. The state is two 0-dim
+    tensors, ``scale_value`` (float32) and ``counter`` (int32), updated in place by
+    :meth:`adjust` with no host sync (see :func:`next_dynamic_scale`)::
 
         scale_value, counter = init, 0
         for step in range(num_steps):
-            grads = backward(loss * scale_value) / scale_value
+            grads = grad(loss * scale_value) / scale_value
             if all_finite(grads):
                 if counter == scale_window - 1 and isfinite(scale_value * scale_factor):
                     scale_value *= scale_factor
@@ -340,12 +339,11 @@ class DynamicLossScaler(LossScaler):
 
         scaler = DynamicLossScaler(2.0**16, scale_factor=2, scale_window=1000)
         for inputs, target in data:
-            loss = loss_fn(model(inputs), target)
-            scaler.scale(loss).backward()
+            scaler.scale(loss_fn(model(inputs), target)).backward()
             grads = scaler.unscale([p.grad for p in model.parameters()])
             finite = all_finite(grads)
             scaler.adjust(finite)
-            # apply `grads` only where `finite` (e.g. torch.where), never via finite.item()
+            # apply `grads` only where `finite` (torch.where), never via finite.item()
 
     Example:
         >>> scaler = DynamicLossScaler(1024, scale_factor=2, scale_window=3)
@@ -353,110 +351,94 @@ class DynamicLossScaler(LossScaler):
         (True, tensor(512.), tensor(0, dtype=torch.int32))
     """
 
-    def __init__(self, scale_value: float, scale_factor: float, scale_window: int) -> None:
-        self._scale = torch.tensor(_check_loss_scale(scale_value, "scale_value"))
-        self._counter = torch.zeros((), dtype=torch.int32)
-        self._factor = _check_factor(scale_factor)
-        self._window = _check_count(scale_window, "scale_window", minimum=1)
+    _TENSORS = ("scale_value", "counter")
+    _CONFIG: ClassVar[dict[str, _Check]] = {
+        "scale_factor": _check_factor,
+        "scale_window": _check_count,
+    }
 
-    @property
-    def scale_value(self) -> torch.Tensor:
-        """The loss scale, a 0-dim float32 tensor (updated in place)."""
-        return self._scale
+    def __init__(self, scale_value: float, scale_factor: float, scale_window: int) -> None:
+        super().__init__(scale_value)
+        self._counter = torch.zeros((), dtype=torch.int32)
+        self._scale_factor = _check_factor(scale_factor, "scale_factor")
+        self._scale_window = _check_count(scale_window, "scale_window")
 
     @property
     def counter(self) -> torch.Tensor:
-        """Clean steps since the last change, a 0-dim int32 tensor (updated in place)."""
+        """Clean steps since the last change, a 0-dim int32 tensor."""
         return self._counter
 
     @property
     def scale_factor(self) -> float:
-        return self._factor
+        return self._scale_factor
 
     @property
     def scale_window(self) -> int:
-        return self._window
-
-    def scale(self, inputs: Any) -> Any:
-        return _mul_floating(inputs, self._scale)
-
-    def unscale(self, inputs: Any) -> Any:
-        return _mul_floating(inputs, inverse_scale(self._scale))
+        return self._scale_window
 
     def adjust(self, grads_finite: torch.Tensor | bool) -> bool:
         """Apply :func:`next_dynamic_scale` in place; returns True (as MindSpore does)."""
         scale, counter = next_dynamic_scale(
-            self._scale, self._counter, grads_finite, self._factor, self._window
+            self._scale_value, self._counter, grads_finite, self._scale_factor, self._scale_window
         )
-        self._scale.copy_(scale)
+        self._scale_value.copy_(scale)
         self._counter.copy_(counter)
         return True
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "scale_value": self._scale.detach().clone(),
-            "counter": self._counter.detach().clone(),
-            "scale_factor": self._factor,
-            "scale_window": self._window,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        keys = ("scale_value", "counter", "scale_factor", "scale_window")
-        state = _check_state(state, keys, type(self).__name__)
-        factor = _check_factor(state["scale_factor"])
-        window = _check_count(state["scale_window"], "scale_window", minimum=1)
-        self._scale.copy_(torch.as_tensor(state["scale_value"]).reshape(()))
-        self._counter.copy_(torch.as_tensor(state["counter"]).reshape(()))
-        self._factor, self._window = factor, window
-
-    def to(self, device: torch.device | str) -> DynamicLossScaler:
-        self._scale, self._counter = self._scale.to(device), self._counter.to(device)
-        return self
-
-    def __repr__(self) -> str:
-        return (
-            f"DynamicLossScaler(scale_factor={self._factor}, scale_window={self._window}, "
-            f"device={self._scale.device})"
-        )
-
-
-# --- host-side managers (MindSpore API, plain Python numbers) ---------------------------------
 
 
 class LossScaleManager:
     """Base loss-scale policy for a training step: scale 1, never changes, skips overflows.
+
+    Subclasses list their state in ``_FIELDS`` (name -> validator; attributes ``_<name>``);
+    ``state_dict``, ``load_state_dict`` and ``repr`` cover exactly those fields.
 
     Example:
         >>> LossScaleManager().get_loss_scale()
         1.0
     """
 
+    _FIELDS: ClassVar[dict[str, _Check]] = {}
+    _loss_scale: float = 1.0
+    _drop_overflow_update: bool = True
+
+    @property
+    def loss_scale(self) -> float:
+        return self._loss_scale
+
+    @property
+    def drop_overflow_update(self) -> bool:
+        return self._drop_overflow_update
+
     def get_loss_scale(self) -> float:
         """The loss scale for the next step."""
-        return 1.0
+        return self._loss_scale
 
     def update_loss_scale(self, overflow: bool) -> None:
         """Tell the policy whether this step's gradients overflowed."""
 
     def get_drop_overflow_update(self) -> bool:
-        """Whether the step must check for overflow and skip the optimizer step on one."""
-        return True
+        """Whether the step checks for overflow and skips the optimizer step on one."""
+        return self._drop_overflow_update
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {name: getattr(self, f"_{name}") for name in self._FIELDS}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        _check_state(state, (), type(self).__name__)
+        state = _check_state(state, self._FIELDS, type(self).__name__)
+        values = {name: check(state[name], name) for name, check in self._FIELDS.items()}
+        for name, value in values.items():  # all validated first: a bad state changes nothing
+            setattr(self, f"_{name}", value)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        args = ", ".join(f"{name}={value!r}" for name, value in self.state_dict().items())
+        return f"{type(self).__name__}({args})"
 
 
 class FixedLossScaleManager(LossScaleManager):
     """A constant loss scale.
 
-    With ``drop_overflow_update=True`` a step that overflows is skipped; with False the
-    step never checks and always applies the update.
+    With ``drop_overflow_update=True`` a step whose gradients overflow is skipped; with False
+    the step neither checks nor skips.
 
     Example:
         >>> manager = FixedLossScaleManager(128.0)
@@ -465,38 +447,14 @@ class FixedLossScaleManager(LossScaleManager):
         128.0
     """
 
+    _FIELDS: ClassVar[dict[str, _Check]] = {
+        "loss_scale": _check_loss_scale,
+        "drop_overflow_update": _check_bool,
+    }
+
     def __init__(self, loss_scale: float = 128.0, drop_overflow_update: bool = True) -> None:
         self._loss_scale = _check_loss_scale(loss_scale, "loss_scale")
-        self._drop = _check_drop(drop_overflow_update)
-
-    @property
-    def loss_scale(self) -> float:
-        return self._loss_scale
-
-    @property
-    def drop_overflow_update(self) -> bool:
-        return self._drop
-
-    def get_loss_scale(self) -> float:
-        return self._loss_scale
-
-    def get_drop_overflow_update(self) -> bool:
-        return self._drop
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"loss_scale": self._loss_scale, "drop_overflow_update": self._drop}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        state = _check_state(state, ("loss_scale", "drop_overflow_update"), type(self).__name__)
-        loss_scale = _check_loss_scale(state["loss_scale"], "loss_scale")
-        self._drop = _check_drop(state["drop_overflow_update"])
-        self._loss_scale = loss_scale
-
-    def __repr__(self) -> str:
-        return (
-            f"FixedLossScaleManager(loss_scale={self._loss_scale}, "
-            f"drop_overflow_update={self._drop})"
-        )
+        self._drop_overflow_update = _check_bool(drop_overflow_update, "drop_overflow_update")
 
 
 class DynamicLossScaleManager(LossScaleManager):
@@ -505,14 +463,14 @@ class DynamicLossScaleManager(LossScaleManager):
     ``good_steps`` counts clean steps since the start or the last change of the scale,
     ``bad_steps`` consecutive overflows::
 
-        if overflow:
-            loss_scale = max(loss_scale / scale_factor, 1)   # and the step is skipped
+        if overflow:                      # the step is skipped
+            loss_scale = max(loss_scale / scale_factor, 1)
             good_steps, bad_steps = 0, bad_steps + 1
             if bad_steps > 1000: raise RuntimeError
         else:
             good_steps, bad_steps = good_steps + 1, 0
             if good_steps == scale_window:
-                loss_scale *= scale_factor                   # unless that is inf
+                loss_scale *= scale_factor    # unless that is inf
                 good_steps = 0
 
     Example:
@@ -524,28 +482,31 @@ class DynamicLossScaleManager(LossScaleManager):
     """
 
     #: More consecutive overflows than this raise a RuntimeError.
-    MAX_CONSECUTIVE_OVERFLOWS = 1000
+    MAX_CONSECUTIVE_OVERFLOWS: ClassVar[int] = 1000
+    _FIELDS: ClassVar[dict[str, _Check]] = {
+        "loss_scale": _check_loss_scale,
+        "scale_factor": _check_factor,
+        "scale_window": _check_count,
+        "good_steps": _check_steps,
+        "bad_steps": _check_steps,
+    }
 
     def __init__(
         self, init_loss_scale: float = 2**24, scale_factor: float = 2, scale_window: int = 2000
     ) -> None:
         self._loss_scale = _check_loss_scale(init_loss_scale, "init_loss_scale")
-        self._factor = _check_factor(scale_factor)
-        self._window = _check_count(scale_window, "scale_window", minimum=1)
+        self._scale_factor = _check_factor(scale_factor, "scale_factor")
+        self._scale_window = _check_count(scale_window, "scale_window")
         self._good_steps = 0
         self._bad_steps = 0
 
     @property
-    def loss_scale(self) -> float:
-        return self._loss_scale
-
-    @property
     def scale_factor(self) -> float:
-        return self._factor
+        return self._scale_factor
 
     @property
     def scale_window(self) -> int:
-        return self._window
+        return self._scale_window
 
     @property
     def good_steps(self) -> int:
@@ -557,62 +518,26 @@ class DynamicLossScaleManager(LossScaleManager):
         """Consecutive overflowing steps."""
         return self._bad_steps
 
-    def get_loss_scale(self) -> float:
-        return self._loss_scale
-
     def update_loss_scale(self, overflow: bool) -> None:
-        """Back off on overflow, grow after ``scale_window`` clean steps.
+        """Back off on an overflow, grow after ``scale_window`` clean steps.
 
         Raises:
-            RuntimeError: after more than 1000 consecutive overflows.
+            RuntimeError: on the 1001st consecutive overflow.
         """
-        if overflow:
-            self._loss_scale = max(self._loss_scale / self._factor, 1.0)
-            self._good_steps = 0
-            self._bad_steps += 1
-            if self._bad_steps > self.MAX_CONSECUTIVE_OVERFLOWS:
-                raise RuntimeError(
-                    f"DynamicLossScaleManager: the gradients overflowed (inf/NaN) on "
-                    f"{self._bad_steps} consecutive steps and the loss scale is down to "
-                    f"{self._loss_scale}, so scaling cannot be the cause. Check the data and "
-                    f"the model for inf/NaN (e.g. log(0), division by zero), lower the "
-                    f"learning rate, or train in bfloat16, which has float32's range."
-                )
+        if not overflow:
+            self._bad_steps, self._good_steps = 0, self._good_steps + 1
+            if self._good_steps >= self._scale_window:
+                grown = self._loss_scale * self._scale_factor
+                self._loss_scale = grown if math.isfinite(grown) else self._loss_scale
+                self._good_steps = 0
             return
-        self._bad_steps = 0
-        self._good_steps += 1
-        if self._good_steps >= self._window:
-            grown = self._loss_scale * self._factor
-            if math.isfinite(grown):
-                self._loss_scale = grown
-            self._good_steps = 0
-
-    def get_drop_overflow_update(self) -> bool:
-        return True
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "loss_scale": self._loss_scale,
-            "scale_factor": self._factor,
-            "scale_window": self._window,
-            "good_steps": self._good_steps,
-            "bad_steps": self._bad_steps,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        keys = ("loss_scale", "scale_factor", "scale_window", "good_steps", "bad_steps")
-        state = _check_state(state, keys, type(self).__name__)
-        loss_scale = _check_loss_scale(state["loss_scale"], "loss_scale")
-        factor = _check_factor(state["scale_factor"])
-        window = _check_count(state["scale_window"], "scale_window", minimum=1)
-        good = _check_count(state["good_steps"], "good_steps", minimum=0)
-        bad = _check_count(state["bad_steps"], "bad_steps", minimum=0)
-        self._loss_scale, self._factor, self._window = loss_scale, factor, window
-        self._good_steps, self._bad_steps = good, bad
-
-    def __repr__(self) -> str:
-        return (
-            f"DynamicLossScaleManager(loss_scale={self._loss_scale}, "
-            f"scale_factor={self._factor}, scale_window={self._window}, "
-            f"good_steps={self._good_steps}, bad_steps={self._bad_steps})"
-        )
+        self._loss_scale = max(self._loss_scale / self._scale_factor, 1.0)
+        self._good_steps, self._bad_steps = 0, self._bad_steps + 1
+        if self._bad_steps > self.MAX_CONSECUTIVE_OVERFLOWS:
+            raise RuntimeError(
+                f"DynamicLossScaleManager: the gradients overflowed (inf/NaN) on "
+                f"{self._bad_steps} consecutive steps although the loss scale is down to "
+                f"{self._loss_scale}, so the scale is not the cause. Check the data and the "
+                f"model for inf/NaN (e.g. log(0), a division by zero), lower the learning rate, "
+                f"or train in bfloat16, which has float32's range."
+            )

@@ -131,12 +131,18 @@ def _mirror(gm: fx.GraphModule, root: nn.Module) -> None:
     gm.__dict__["_modules"] = root._modules
     gm.__dict__["_parameters"] = root._parameters
     gm.__dict__["_buffers"] = {**root._buffers, **constants}
-    gm.__dict__["_non_persistent_buffers_set"] = set(root._non_persistent_buffers_set) | set(constants)
+    gm.__dict__["_non_persistent_buffers_set"] = set(root._non_persistent_buffers_set) | set(
+        constants
+    )
     gm.training = root.training
     for key, value in root.__dict__.items():
         if "hooks" in key and isinstance(value, dict) and value:
             gm.__dict__[key] = type(value)(value)
-        elif not key.startswith("_") and key not in gm.__dict__ and key not in ("forward", "extra_repr"):
+        elif (
+            not key.startswith("_")
+            and key not in gm.__dict__
+            and key not in ("forward", "extra_repr")
+        ):
             gm.__dict__[key] = value
 
 

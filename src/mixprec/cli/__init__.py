@@ -1,0 +1,153 @@
+"""The ``mixprec`` command: ``demo``, ``plan`` and ``bench``.
+
+``main(argv)`` parses the arguments (argparse), runs one subcommand and returns the exit
+status: 0 on success, 2 for a usage error (a bad flag, path, shape, level, ...), with a
+one-line message on stderr. The subcommands live in their own modules:
+:mod:`mixprec.cli.demo`, :mod:`mixprec.cli.plan` and :mod:`mixprec.cli.bench`.
+
+Example:
+    >>> from mixprec.cli import main
+    >>> main(["plan", "mixprec.cli.models:lenet5", "--input", "1,1,32,32"])  # doctest: +SKIP
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+
+__all__ = ["build_parser", "main"]
+
+_DEMO_HELP = "train LeNet-5 on scikit-learn's digits at every level; print a table, write a PNG"
+_PLAN_HELP = "print the cast plan of a model from a factory MODULE:CALLABLE"
+_BENCH_HELP = "time mixprec's levels against torch.autocast and pure low precision"
+
+
+class UsageError(ValueError):
+    """A bad command-line value: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``mixprec`` command."""
+    parser = argparse.ArgumentParser(
+        prog="mixprec", description="mixprec: automatic mixed precision for PyTorch"
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = commands.add_parser("demo", help=_DEMO_HELP, description=_DEMO_HELP)
+    demo.add_argument("--epochs", type=int, default=12, help="epochs per level (default 12)")
+    demo.add_argument(
+        "--levels",
+        default="O0,O1,O2,O3,autocast,auto,O2-fp16",
+        help="comma-separated runs from O0,O1,O2,O3,autocast,auto,O2-fp16 (default: all)",
+    )
+    demo.add_argument("--dtype", default="bf16", help="low dtype: bf16 or fp16 (default bf16)")
+    demo.add_argument("--seed", type=int, default=0, help="data split, init and order (default 0)")
+    demo.add_argument("--out", default="mixprec-demo", help="folder for the PNG and JSON")
+    demo.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
+    demo.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3)")
+    demo.add_argument(
+        "--steps-limit", type=int, default=None, help="stop each run after this many steps"
+    )
+
+    plan = commands.add_parser("plan", help=_PLAN_HELP, description=_PLAN_HELP)
+    plan.add_argument(
+        "model", metavar="MODULE:CALLABLE", help="e.g. mixprec.cli.models:lenet5 or file.py:make"
+    )
+    plan.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="SHAPE",
+        help="an input shape like 1,3,32,32 (int:1,16 for integer tokens); repeat per input",
+    )
+    plan.add_argument("--level", default="O1", help="O1, O2, O3, autocast or auto (default O1)")
+    plan.add_argument("--dtype", default=None, help="bf16 or fp16 (default: the device's)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    bench = commands.add_parser("bench", help=_BENCH_HELP, description=_BENCH_HELP)
+    bench.add_argument("--json", action="store_true", help="print the results as JSON")
+    bench.add_argument("--quick", action="store_true", help="tiny shapes, few repeats (for tests)")
+    bench.add_argument("--models", default=None, help="comma-separated: mlp,cnn,transformer")
+    bench.add_argument("--repeats", type=int, default=None, help="timed rounds (default 15)")
+    bench.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 3)")
+    bench.add_argument("--dtype", default="bf16", help="low dtype: bf16 or fp16 (default bf16)")
+    return parser
+
+
+def _console() -> Console:
+    console = Console(file=sys.stdout)
+    if not console.is_terminal:  # a pipe, a file, a test: wide enough for every column
+        console = Console(file=sys.stdout, width=200)
+    return console
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from mixprec.cli.demo import config_from_args, run_demo
+
+    try:
+        config = config_from_args(args)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    run_demo(config, _console())
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from mixprec.cli.plan import PlanError, run_plan
+
+    try:
+        run_plan(args.model, args.input, args.level, args.dtype, args.json)
+    except PlanError as error:
+        raise UsageError(str(error)) from error
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from mixprec.cli.bench import run_bench, settings_from_args
+    from mixprec.cli.bench_report import bench_dict, goals_table, results_table
+    from mixprec.cli.measure import machine_info
+
+    try:
+        settings = settings_from_args(args)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    err = Console(stderr=True)
+    results, described = run_bench(settings, progress=lambda text: err.print(f"bench {text}"))
+    machine = machine_info()
+    if args.json:
+        print(json.dumps(bench_dict(results, settings, described, machine), indent=2))
+        return 0
+    console = _console()
+    console.print(
+        f"machine: {machine['cpu']}, {machine['cores']} cores, "
+        f"{machine['torch_threads']} torch threads, torch {machine['torch']}"
+    )
+    for name, text in described.items():
+        console.print(f"  {name}: {text}")
+    console.print(results_table(results, settings))
+    console.print(goals_table(results))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``mixprec`` command line; returns the exit status.
+
+    Args:
+        argv: the arguments after the program name (default ``sys.argv[1:]``).
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help (0) or an argparse usage error (2)
+        return exit_.code if isinstance(exit_.code, int) else 2
+    handlers = {"demo": _demo, "plan": _plan, "bench": _bench}
+    try:
+        return handlers[args.command](args)
+    except UsageError as error:
+        print(f"mixprec {args.command}: error: {error}", file=sys.stderr)
+        return 2

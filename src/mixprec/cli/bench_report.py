@@ -1,0 +1,101 @@
+"""How ``mixprec bench`` shows its results: rich tables for people, a dict for machines."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from rich.table import Table
+
+from mixprec.cli.bench import BenchSettings, Result, goals
+from mixprec.cli.measure import format_bytes
+
+__all__ = ["BENCH_COLUMNS", "bench_dict", "goals_table", "results_table"]
+
+#: The results table's column headers.
+BENCH_COLUMNS: tuple[str, ...] = (
+    "model",
+    "variant",
+    "train step",
+    "train vs autocast",
+    "train vs pure",
+    "inference",
+    "infer vs autocast",
+    "infer vs pure",
+    "casts/fwd train",
+    "casts/fwd infer",
+    "saved for backward",
+    "saved vs fp32",
+)
+
+
+def _x(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def results_table(results: Sequence[Result], settings: BenchSettings) -> Table:
+    """One row per (model, variant)."""
+    dtype = str(settings.dtype).removeprefix("torch.")
+    table = Table(
+        title=f"mixprec bench ({dtype}): median ms, speedups t(reference) / t(variant)",
+        caption=(
+            f"{settings.repeats} timed rounds after {settings.warmup} warm-up calls, variants "
+            "interleaved; 'pure' is model.to(" + dtype + "); saved for backward excludes "
+            "the model's own Parameters"
+        ),
+    )
+    for index, column in enumerate(BENCH_COLUMNS):
+        table.add_column(column, justify="left" if index < 2 else "right")
+    previous = None
+    for r in results:
+        if previous is not None and r.case != previous:
+            table.add_section()
+        previous = r.case
+        table.add_row(
+            r.case,
+            r.variant,
+            f"{r.train_ms:.1f} ms",
+            _x(r.ratios["train_vs_autocast"]),
+            _x(r.ratios["train_vs_pure"]),
+            f"{r.infer_ms:.2f} ms",
+            _x(r.ratios["infer_vs_autocast"]),
+            _x(r.ratios["infer_vs_pure"]),
+            str(r.casts_train),
+            str(r.casts_infer),
+            format_bytes(r.saved_bytes),
+            _x(r.ratios["saved_vs_fp32"]),
+        )
+    return table
+
+
+def goals_table(results: Sequence[Result]) -> Table:
+    """The issue's goals: target, measured value, met or not, per model."""
+    table = Table(title="goals (CPU, low precision)")
+    for column in ("model", "goal", "target", "measured", "met"):
+        table.add_column(column, justify="right" if column in ("measured", "met") else "left")
+    for check in goals(results):
+        value = check["value"]
+        shown = str(value) if isinstance(value, int) else _x(value)
+        table.add_row(
+            check["case"], check["goal"], check["target"], shown, "yes" if check["met"] else "NO"
+        )
+    return table
+
+
+def bench_dict(
+    results: Sequence[Result],
+    settings: BenchSettings,
+    described: Mapping[str, str],
+    machine: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Everything as a JSON-ready dict: machine, settings, models, results and goals."""
+    chosen = asdict(settings)
+    chosen["dtype"] = str(settings.dtype).removeprefix("torch.")
+    return {
+        "machine": dict(machine),
+        "settings": chosen,
+        "models": dict(described),
+        "results": [asdict(r) for r in results],
+        "goals": goals(results),
+    }

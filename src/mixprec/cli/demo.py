@@ -1,0 +1,350 @@
+"""``mixprec demo``: LeNet-5 on scikit-learn's digits, trained once per level.
+
+Every run starts from the same initial weights and sees the same batches in the same
+order; only the level changes. Each run is a :func:`mixprec.build_train_network` step
+with Adam. The table says what each level costs and buys; the PNG shows the loss curves
+and, for the float16 run, the dynamic loss scale over the steps.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from torch import nn
+
+import mixprec
+from mixprec.cli.data import Digits, batch_order, load_digits
+from mixprec.cli.measure import CastCounter, SavedBytes, format_bytes, median_ms
+from mixprec.cli.models import lenet5
+from mixprec.dtypes import resolve_dtype
+
+__all__ = ["COLUMNS", "DemoConfig", "RunResult", "RunSpec", "parse_levels", "run_demo"]
+
+#: The runs ``--levels`` can name, in the order the table shows them.
+LEVEL_CHOICES: tuple[str, ...] = ("O0", "O1", "O2", "O3", "autocast", "auto", "O2-fp16")
+#: The table's column headers.
+COLUMNS: tuple[str, ...] = (
+    "level",
+    "dtype",
+    "test accuracy",
+    "final loss",
+    "step time (median)",
+    "time vs O0",
+    "saved for backward / step",
+    "casts / forward",
+    "skipped steps",
+    "loss scale",
+)
+PNG_NAME = "mixprec-demo.png"
+JSON_NAME = "mixprec-demo.json"
+#: Points of test accuracy every level should be within of O0's.
+TOLERANCE = 0.5
+_WARMUP_STEPS = 5
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """The demo's settings (the command line's flags, parsed)."""
+
+    levels: tuple[str, ...] = LEVEL_CHOICES
+    dtype: torch.dtype = torch.bfloat16
+    epochs: int = 12
+    batch_size: int = 32
+    lr: float = 2e-3
+    seed: int = 0
+    out: Path = Path("mixprec-demo")
+    steps_limit: int | None = None
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run: a table row."""
+
+    name: str
+    level: str
+    dtype: torch.dtype | None
+    fp16_scaling: bool = False
+
+
+@dataclass
+class RunResult:
+    """What one run measured."""
+
+    name: str
+    level: str
+    dtype: str
+    accuracy: float
+    final_loss: float
+    step_ms: float
+    saved_bytes: int
+    casts: int
+    skipped_steps: int
+    loss_scale: float | None
+    steps: int
+    losses: list[float] = field(default_factory=list, repr=False)
+    scales: list[float] = field(default_factory=list, repr=False)
+
+
+def parse_levels(text: str) -> tuple[str, ...]:
+    """``"O0,o2,auto"`` -> ``("O0", "O2", "auto")``; unknown names are a ValueError."""
+    by_key = {choice.lower(): choice for choice in LEVEL_CHOICES}
+    chosen: list[str] = []
+    for part in text.split(","):
+        key = part.strip().lower()
+        if key not in by_key:
+            raise ValueError(
+                f"--levels names {part.strip()!r}, which is not a level; "
+                f"choose from {', '.join(LEVEL_CHOICES)}"
+            )
+        if by_key[key] not in chosen:
+            chosen.append(by_key[key])
+    return tuple(chosen)
+
+
+def _spec(name: str, dtype: torch.dtype) -> RunSpec:
+    if name == "O0":
+        return RunSpec("O0", "O0", None)
+    if name == "auto":  # the recommendation chooses its own dtype
+        return RunSpec("auto", "auto", None)
+    if name == "O2-fp16":
+        return RunSpec("O2 fp16 + dynamic scaling", "O2", torch.float16, fp16_scaling=True)
+    return RunSpec(name, name, dtype)
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "float32" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _accuracy(network: nn.Module, data: Digits) -> float:
+    network.eval()
+    try:
+        with torch.no_grad():
+            logits = network(data.x_test)
+    finally:
+        network.train()
+    return float((logits.argmax(dim=1) == data.y_test).double().mean()) * 100
+
+
+def _casts_per_forward(network: nn.Module, inputs: torch.Tensor) -> int:
+    """Casts in one training-mode forward (gradients on, as in a training step)."""
+    with CastCounter() as counter:
+        network(inputs)
+    return counter.total
+
+
+def train_one(
+    spec: RunSpec,
+    config: DemoConfig,
+    data: Digits,
+    batches: Sequence[torch.Tensor],
+    progress: Progress,
+) -> RunResult:
+    """Train LeNet-5 at one level on ``batches`` and measure it."""
+    torch.manual_seed(config.seed)
+    model = lenet5()
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    options: dict[str, Any] = {"dtype": spec.dtype}
+    if spec.fp16_scaling:
+        # A short window so that the demo's few hundred steps show the scale move both ways.
+        options["loss_scale_manager"] = mixprec.DynamicLossScaleManager(
+            init_loss_scale=2.0**16, scale_factor=2, scale_window=100
+        )
+    step = mixprec.build_train_network(
+        model, optimizer, nn.CrossEntropyLoss(), level=spec.level, **options
+    )
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=len(batches))
+    task = progress.add_task(spec.name, total=len(batches))
+    exclude = [*model.parameters(), *model.buffers()]
+    exclude += [*step.network.parameters(), *step.network.buffers()]
+    losses: list[float] = []
+    scales: list[float] = []
+    times: list[float] = []
+    saved_bytes = 0
+    for index, batch in enumerate(batches):
+        x, y = data.x_train[batch], data.y_train[batch]
+        if index == 0:  # a warm-up step anyway: measure what it keeps for backward
+            with SavedBytes(exclude=exclude) as saved:
+                loss = step(x, y)
+            saved_bytes = saved.total
+        else:
+            start = time.perf_counter()
+            loss = step(x, y)
+            elapsed = time.perf_counter() - start
+            if index >= _WARMUP_STEPS:
+                times.append(elapsed)
+        with warnings.catch_warnings():  # a skipped first step is no mistake here
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            schedule.step()
+        losses.append(float(loss))
+        scales.append(float(step.loss_scale))
+        progress.advance(task)
+    tail = losses[-max(1, min(len(losses), len(data.y_train) // config.batch_size)) :]
+    low = step.dtype
+    level = step.level.value if isinstance(step.level, mixprec.Level) else str(step.level)
+    return RunResult(
+        name=spec.name,
+        level=level,
+        dtype=_dtype_name(low),
+        accuracy=_accuracy(step.network, data),
+        final_loss=sum(tail) / len(tail),
+        step_ms=median_ms(times),
+        saved_bytes=saved_bytes,
+        casts=_casts_per_forward(step.network, data.x_train[batches[0]]),
+        skipped_steps=int(step.skipped_steps),
+        loss_scale=float(step.loss_scale) if spec.fp16_scaling or low == torch.float16 else None,
+        steps=len(batches),
+        losses=losses,
+        scales=scales,
+    )
+
+
+def _table(results: Sequence[RunResult]) -> Table:
+    table = Table(title="mixprec demo: LeNet-5 on scikit-learn digits")
+    for index, column in enumerate(COLUMNS):
+        table.add_column(column, justify="left" if index < 2 else "right")
+    base = next((r.step_ms for r in results if r.name == "O0"), None)
+    for r in results:
+        name = (
+            r.name if r.name in (r.level, "O2 fp16 + dynamic scaling") else f"{r.name} -> {r.level}"
+        )
+        ratio = f"{r.step_ms / base:.2f}x" if base else "-"
+        table.add_row(
+            name,
+            r.dtype,
+            f"{r.accuracy:.2f}%",
+            f"{r.final_loss:.4f}",
+            f"{r.step_ms:.2f} ms",
+            ratio,
+            format_bytes(r.saved_bytes),
+            str(r.casts),
+            str(r.skipped_steps),
+            "-" if r.loss_scale is None else f"{r.loss_scale:g}",
+        )
+    return table
+
+
+def _moving_average(values: Sequence[float], window: int) -> list[float]:
+    out: list[float] = []
+    total = 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        out.append(total / min(index + 1, window))
+    return out
+
+
+def write_png(results: Sequence[RunResult], path: Path) -> Path:
+    """Loss curves per level (left) and the fp16 run's loss scale over steps (right)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(12, 4.5), dpi=100)
+    FigureCanvasAgg(figure)
+    losses, scales = figure.subplots(1, 2)
+    for r in results:
+        window = max(1, min(20, len(r.losses) // 10))
+        losses.plot(_moving_average(r.losses, window), label=f"{r.name} ({r.accuracy:.1f}%)")
+    losses.set(title="training loss (moving average)", xlabel="step", ylabel="loss", yscale="log")
+    losses.legend(fontsize=8)
+    scaled = [r for r in results if r.loss_scale is not None]
+    for r in scaled:
+        scales.step(range(len(r.scales)), r.scales, where="post", label=r.name)
+        skipped = [i for i in range(1, len(r.scales)) if r.scales[i] < r.scales[i - 1]]
+        scales.plot(skipped, [r.scales[i] for i in skipped], "rx", label="overflow: step skipped")
+    if scaled:
+        scales.set(title="loss scale (float16 run)", xlabel="step", ylabel="loss scale")
+        scales.set_yscale("log", base=2)
+        scales.legend(fontsize=8)
+    else:
+        scales.set_axis_off()
+        scales.text(0.5, 0.5, "no float16 run", ha="center", va="center")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png")
+    return path
+
+
+def run_demo(config: DemoConfig, console: Console) -> list[RunResult]:
+    """Train every requested level, print the table, write the PNG and a JSON summary."""
+    start = time.perf_counter()
+    data = load_digits(config.seed)
+    batches = batch_order(len(data.y_train), config.batch_size, config.epochs, config.seed)
+    if config.steps_limit is not None:
+        batches = batches[: config.steps_limit]
+    specs = [_spec(name, config.dtype) for name in config.levels]
+    console.print(
+        f"LeNet-5 on {len(data.y_train)} train / {len(data.y_test)} test digits: "
+        f"{len(batches)} steps of {config.batch_size} per run, Adam lr {config.lr:g}, "
+        f"seed {config.seed}, {torch.get_num_threads()} threads"
+    )
+    results: list[RunResult] = []
+    columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn())
+    with Progress(
+        *columns, TimeElapsedColumn(), console=console, disable=not console.is_terminal
+    ) as progress:
+        for spec in specs:
+            results.append(train_one(spec, config, data, batches, progress))
+    console.print(_table(results))
+    console.print(_summary(results))
+    png = write_png(results, config.out / PNG_NAME)
+    summary = [
+        {k: v for k, v in asdict(r).items() if k not in ("losses", "scales")} for r in results
+    ]
+    (config.out / JSON_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    console.print(
+        f"wrote {png} and {config.out / JSON_NAME} in {time.perf_counter() - start:.1f} s"
+    )
+    return results
+
+
+def _summary(results: Sequence[RunResult]) -> str:
+    base = next((r for r in results if r.name == "O0"), None)
+    notes = [
+        "step time: median over the steps after warm-up; casts counted in one training forward"
+    ]
+    if base is None:
+        return "; ".join(notes)
+    off = [r for r in results if abs(r.accuracy - base.accuracy) > TOLERANCE]
+    if off:
+        detail = ", ".join(f"{r.name} {r.accuracy - base.accuracy:+.2f}" for r in off)
+        notes.insert(0, f"outside {TOLERANCE} points of O0's {base.accuracy:.2f}%: {detail}")
+    else:
+        notes.insert(0, f"every level within {TOLERANCE} points of O0's {base.accuracy:.2f}%")
+    return "\n".join(notes)
+
+
+def config_from_args(args: Any) -> DemoConfig:
+    """A :class:`DemoConfig` from the parsed command line (validating each flag)."""
+    for name in ("epochs", "batch_size"):
+        value = getattr(args, name)
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {value!r}")
+    if args.steps_limit is not None and args.steps_limit < 1:
+        raise ValueError(f"--steps-limit must be >= 1; got {args.steps_limit!r}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0; got {args.lr!r}")
+    try:
+        dtype = resolve_dtype(args.dtype)
+    except ValueError as error:
+        raise ValueError(f"--dtype: {error}") from error
+    return DemoConfig(
+        levels=parse_levels(args.levels),
+        dtype=dtype,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        out=Path(args.out),
+        steps_limit=args.steps_limit,
+    )

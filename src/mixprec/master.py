@@ -1,0 +1,94 @@
+"""float32 master weights for a model that holds low-precision Parameters.
+
+Under O2/O3 training the converted model computes with low-precision Parameters of its
+own, so no weight is cast in the forward pass. The user's Parameters (the ones the
+optimizer was built on) become the float32 *masters*:
+
+1. after each backward, low-precision gradients are moved onto the masters, accumulated in
+   float32 (:meth:`MasterWeights.collect_grads`);
+2. the optimizer steps the masters, exactly as it would without mixprec;
+3. the low-precision copies are refreshed from the masters (:meth:`MasterWeights.refresh`),
+   with one fused ``_foreach_copy_`` per dtype.
+
+The optimizer, its param groups, its state and any LR scheduler attached to it never see
+a low-precision tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mixprec.convert.module_level import CastAtUseForward
+
+__all__ = ["MasterWeights"]
+
+
+class MasterWeights:
+    """Pairs of (float32 master, low-precision model Parameter).
+
+    Built by :meth:`install`, which gives a module converted at module level its own
+    low-precision Parameters in place of the shared float32 ones.
+    """
+
+    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+        self.masters = [master for master, _ in pairs]
+        self.lows = [low for _, low in pairs]
+
+    @classmethod
+    def install(cls, converted: nn.Module) -> MasterWeights:
+        """Swap every Parameter ``converted`` computes with in low precision for a
+        low-precision Parameter of its own; the float32 ones become the masters."""
+        forward = converted.__dict__.get("forward")
+        if not isinstance(forward, CastAtUseForward):
+            raise TypeError("master weights need a module converted at O2 or O3")
+        lows: dict[int, nn.Parameter] = {}
+        pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        for slot in forward.slots:
+            if slot.is_buffer:
+                continue
+            master = slot.owner._parameters[slot.name]
+            if not isinstance(master, nn.Parameter) or master.dtype == forward.dtype:
+                continue
+            low = lows.get(id(master))
+            if low is None:
+                low = nn.Parameter(
+                    master.detach().to(forward.dtype), requires_grad=master.requires_grad
+                )
+                lows[id(master)] = low
+                pairs.append((master, low))
+            slot.owner._parameters[slot.name] = low
+        for rnn in forward.recurrent:
+            rnn._init_flat_weights()
+        return cls(pairs)
+
+    def collect_grads(self) -> None:
+        """Add the low-precision gradients to the masters' float32 gradients and clear
+        them (called after every backward, so micro-batches accumulate in float32)."""
+        for master, low in zip(self.masters, self.lows, strict=True):
+            if low.grad is None:
+                continue
+            if master.grad is None:
+                master.grad = low.grad.to(torch.float32)
+            else:
+                master.grad.add_(low.grad)
+            low.grad = None
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the (stepped) masters into the low-precision Parameters."""
+        if self.lows:
+            torch._foreach_copy_(self.lows, self.masters)
+
+    def state(self) -> list[torch.Tensor]:
+        return [master.detach() for master in self.masters]
+
+    @torch.no_grad()
+    def load(self, tensors: list[torch.Tensor]) -> None:
+        if len(tensors) != len(self.masters):
+            raise ValueError(
+                f"checkpoint holds {len(tensors)} master weights; this model has {len(self.masters)}"
+            )
+        for master, tensor in zip(self.masters, tensors, strict=True):
+            master.copy_(tensor)
+        self.refresh()
