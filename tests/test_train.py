@@ -363,7 +363,7 @@ def test_checkpoint_resume_is_bit_identical(level: str, dtype: str) -> None:
     for batch in batches:
         step_a(*batch)
 
-    model_b, opt_b, step_b = make()
+    _, opt_b, step_b = make()
     for batch in batches[:5]:
         step_b(*batch)
     buffer = io.BytesIO()

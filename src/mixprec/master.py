@@ -32,8 +32,8 @@ class MasterWeights:
     """
 
     def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
-        self.masters = [master for master, _ in pairs]
-        self.lows = [low for _, low in pairs]
+        self.masters: list[torch.Tensor] = [master for master, _ in pairs]
+        self.lows: list[torch.Tensor] = [low for _, low in pairs]
 
     @classmethod
     def install(cls, converted: nn.Module) -> MasterWeights:
