@@ -34,6 +34,10 @@ class MasterWeights:
     def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
         self.masters: list[torch.Tensor] = [master for master, _ in pairs]
         self.lows: list[torch.Tensor] = [low for _, low in pairs]
+        # float32 gradient buffers, allocated once: a fresh 4-byte-per-weight allocation
+        # every step costs more than the conversion itself (page faults)
+        self._buffers: list[torch.Tensor | None] = [None] * len(self.masters)
+        self._fresh = [False] * len(self.masters)
 
     @classmethod
     def install(cls, converted: nn.Module) -> MasterWeights:
@@ -62,17 +66,28 @@ class MasterWeights:
             rnn._init_flat_weights()
         return cls(pairs)
 
+    @torch.no_grad()
     def collect_grads(self) -> None:
-        """Add the low-precision gradients to the masters' float32 gradients and clear
-        them (called after every backward, so micro-batches accumulate in float32)."""
-        for master, low in zip(self.masters, self.lows, strict=True):
+        """Move the low-precision gradients onto the masters, in float32, and clear them
+        (called after every backward, so micro-batches accumulate in float32)."""
+        for i, (master, low) in enumerate(zip(self.masters, self.lows, strict=True)):
             if low.grad is None:
                 continue
-            if master.grad is None:
-                master.grad = low.grad.to(torch.float32)
+            buffer = self._buffers[i]
+            if buffer is None or buffer.shape != master.shape or buffer.device != master.device:
+                buffer = self._buffers[i] = torch.empty_like(master, dtype=torch.float32)
+                self._fresh[i] = False
+            if self._fresh[i] and master.grad is buffer:
+                buffer.add_(low.grad)
             else:
-                master.grad.add_(low.grad)
+                buffer.copy_(low.grad)
+                self._fresh[i] = True
+            master.grad = buffer
             low.grad = None
+
+    def step_done(self) -> None:
+        """The next backward starts a new accumulation."""
+        self._fresh = [False] * len(self.masters)
 
     @torch.no_grad()
     def refresh(self) -> None:
