@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from mixprec.grads import all_finite, inverse_scale, unscale_grads_
 from mixprec.scaling import (
     DynamicLossScaleManager,
     DynamicLossScaler,
@@ -17,10 +18,7 @@ from mixprec.scaling import (
     LossScaleManager,
     LossScaler,
     StaticLossScaler,
-    all_finite,
-    inverse_scale,
     next_dynamic_scale,
-    unscale_grads_,
 )
 
 INF, NAN = float("inf"), float("nan")

@@ -5,6 +5,7 @@ time and a cast plan you can read before running; a training step with loss scal
 that says when and why it skipped.
 """
 
+from mixprec.build import build_train_network
 from mixprec.convert.api import (
     auto_mixed_precision,
     custom_mixed_precision,
@@ -12,6 +13,7 @@ from mixprec.convert.api import (
     get_white_list,
 )
 from mixprec.convert.plan import CastPlan, explain
+from mixprec.grads import all_finite
 from mixprec.levels import Level
 from mixprec.scaling import (
     DynamicLossScaleManager,
@@ -20,9 +22,8 @@ from mixprec.scaling import (
     LossScaleManager,
     LossScaler,
     StaticLossScaler,
-    all_finite,
 )
-from mixprec.train import TrainStep, build_train_network
+from mixprec.train import TrainStep
 
 __all__ = [
     "CastPlan",

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,9 +26,10 @@ from torch import fx, nn
 from mixprec import lists, ops
 from mixprec.convert.capture import capture
 from mixprec.convert.infer import Info, infer
-from mixprec.convert.insert import CAST_TAG, PRECISION_TAG, insert_casts, is_helper
+from mixprec.convert.insert import insert_casts
 from mixprec.convert.module_level import ExtraRepr, make_low_unit
 from mixprec.convert.plan import CastPlan, Conversion, PlanRow, dtype_name
+from mixprec.convert.rows import graph_rows
 from mixprec.convert.runtime import RuntimeForward, stand_aside
 from mixprec.convert.simplify import simplify
 from mixprec.convert.structure import CONVERSION_ATTR, structural_copy
@@ -165,6 +165,11 @@ class _Plan:
     removed: int = 0
     runtime: list[str] = field(default_factory=list)
 
+    def take_since(self, start: int) -> list[PlanRow]:
+        taken = self.rows[start:]
+        del self.rows[start:]
+        return taken
+
 
 def convert_graph(network: nn.Module, recipe: Recipe, *, copy: bool = True) -> nn.Module:
     """Convert ``network`` for O1 or the autocast level (see module docstring)."""
@@ -188,6 +193,11 @@ def convert_graph(network: nn.Module, recipe: Recipe, *, copy: bool = True) -> n
     return converted
 
 
+def _reason(error: Exception) -> str:
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}"
+
+
 def _convert(
     module: nn.Module,
     recipe: Recipe,
@@ -199,12 +209,11 @@ def _convert(
     """Convert one module (already a structural copy) in place or into a graph module."""
     try:
         captured = capture(module, recipe.leaf_functions)
-    except Exception as error:
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    except Exception as error:  # the module's own forward cannot be traced
         if recipe.decide(_module_op(module), scopes) is Precision.LOW:
             return _low_unit(module, recipe, path, plan)
-        return _runtime_part(module, recipe, path, scopes, output_dtype, plan, reason)
-    graph, untraceable = captured.graph, captured.untraceable
+        return _runtime_part(module, recipe, path, scopes, output_dtype, plan, _reason(error))
+    graph = captured.graph
     pristine = structural_copy(module) if captured.specialized else None
 
     def scopes_of(node: fx.Node) -> Scopes:
@@ -218,9 +227,11 @@ def _convert(
         if node.op in ("call_function", "call_method"):
             decisions[node] = recipe.decide(ops.op_key(node.target), scopes_of(node))
         elif node.op == "call_module":
-            decisions[node], leaf_rows[node] = _convert_leaf(
-                node, module, recipe, path, scopes_of(node), untraceable, plan
+            start = len(plan.rows)
+            decisions[node] = _convert_leaf(
+                node, module, recipe, path, scopes_of(node), captured.untraceable, plan
             )
+            leaf_rows[node] = plan.take_since(start)
 
     infos = infer(graph, module)
     insert_casts(
@@ -228,43 +239,15 @@ def _convert(
     )
     plan.removed += simplify(graph, module)
     gm = MixedPrecisionGraphModule(module, graph, class_name=type(module).__name__)
-    plan.rows.extend(_rows(gm.graph, module, path, recipe, scopes_of, leaf_rows))
+    plan.rows.extend(graph_rows(gm.graph, module, path, recipe, scopes_of, leaf_rows))
     if pristine is not None:
         names = ", ".join(f"{name}=None" for name in captured.specialized)
-        plan.rows.append(
-            PlanRow(
-                path,
-                type(module).__name__,
-                "-",
-                note=f"graph traced with {names}; other values run at run time",
-            )
-        )
-        fallback = _runtime_part(
-            pristine,
-            recipe,
-            path,
-            scopes,
-            output_dtype,
-            _Plan(),
-            "called with a specialized argument",
-        )
+        note = f"graph traced with {names}; other values run at run time"
+        plan.rows.append(PlanRow(path, type(module).__name__, "-", note=note))
+        reason = "called with a specialized argument"
+        fallback = _runtime_part(pristine, recipe, path, scopes, output_dtype, _Plan(), reason)
         gm.specialize(captured.specialized, inspect.signature(module.forward), fallback)
     return gm
-
-
-def _low_unit(module: nn.Module, recipe: Recipe, path: str, plan: _Plan) -> nn.Module:
-    """An untraceable module that computes in low precision as a whole."""
-    unit = make_low_unit(module, recipe, prefix=path)
-    weights = [
-        cast
-        for row in unit.__dict__[CONVERSION_ATTR].plan.rows
-        if row.note == "weights"
-        for cast in row.casts_before
-    ]
-    plan.rows.append(
-        PlanRow(path, type(module).__name__, dtype_name(recipe.dtype), tuple(weights), note="unit")
-    )
-    return unit
 
 
 def _convert_leaf(
@@ -275,8 +258,9 @@ def _convert_leaf(
     scopes: Scopes,
     untraceable: dict[str, str],
     plan: _Plan,
-) -> tuple[Precision, list[PlanRow]]:
-    """Decide and convert one ``call_module`` leaf of ``parent``'s graph."""
+) -> Precision:
+    """Decide and convert one ``call_module`` leaf of ``parent``'s graph (its plan rows go
+    to ``plan``)."""
     name = str(node.target)
     path = _join(parent_path, name)
     sub = parent.get_submodule(name)
@@ -284,23 +268,22 @@ def _convert_leaf(
     node.meta["mixprec_op"] = op
     precision = recipe.decide(op, scopes)
     if precision is Precision.LOW:
-        unit = make_low_unit(sub, recipe, prefix=path)
+        _low_unit(sub, recipe, path, plan)
         node.meta["mixprec_out"] = Info("unknown", recipe.dtype, exact=False)
-        unit_plan = unit.__dict__[CONVERSION_ATTR].plan
-        weights = [
-            cast for row in unit_plan.rows if row.note == "weights" for cast in row.casts_before
-        ]
-        return precision, [
-            PlanRow(path, type(sub).__name__, dtype_name(recipe.dtype), tuple(weights), note="unit")
-        ]
-    if precision is not Precision.FOLLOW or op is not None:
-        return precision, []
-    start = len(plan.rows)
-    reason = untraceable.get(name, "")
-    _runtime_part(sub, recipe, path, scopes, None, plan, reason)
-    rows = plan.rows[start:]
-    del plan.rows[start:]
-    return Precision.FOLLOW, rows
+    elif precision is Precision.FOLLOW and op is None:
+        _runtime_part(sub, recipe, path, scopes, None, plan, untraceable.get(name, ""))
+    return precision
+
+
+def _low_unit(module: nn.Module, recipe: Recipe, path: str, plan: _Plan) -> nn.Module:
+    """An untraceable module that computes in low precision as a whole."""
+    unit = make_low_unit(module, recipe, prefix=path)
+    rows = unit.__dict__[CONVERSION_ATTR].plan.rows
+    weights = tuple(cast for row in rows if row.note == "weights" for cast in row.casts_before)
+    plan.rows.append(
+        PlanRow(path, type(module).__name__, dtype_name(recipe.dtype), weights, note="unit")
+    )
+    return unit
 
 
 def _runtime_part(
@@ -322,108 +305,11 @@ def _runtime_part(
             continue
         child_path = _join(path, name)
         child_scopes = (*scopes, (child_path, child))
-        if (
-            _module_op(child) is not None
-            and recipe.decide(_module_op(child), child_scopes) is Precision.FOLLOW
-        ):
+        op = _module_op(child)
+        if op is not None and recipe.decide(op, child_scopes) is Precision.FOLLOW:
             continue  # a one-op built-in the lists leave alone
         converted = _convert(child, recipe, child_path, child_scopes, None, plan)
         stand_aside(converted)
         module._modules[name] = converted
     module.__dict__["forward"] = RuntimeForward(module, recipe, scopes, output_dtype)
     return module
-
-
-def _label(node: Any, path: str) -> str:
-    if not isinstance(node, fx.Node):
-        return repr(node)
-    if node.op in ("get_attr", "call_module"):
-        return _join(path, str(node.target))
-    if node.op == "placeholder":
-        return str(node.target)
-    return node.name
-
-
-def _rows(
-    graph: fx.Graph,
-    root: nn.Module,
-    path: str,
-    recipe: Recipe,
-    scopes_of: Any,
-    leaf_rows: dict[fx.Node, list[PlanRow]],
-) -> list[PlanRow]:
-    """The plan rows of a converted graph: one per op, with the casts attributed to it."""
-    infos = infer(graph, root)
-    before: dict[fx.Node, list[str]] = {}
-    after: dict[fx.Node, list[str]] = {}
-    outputs: list[str] = []
-    for node in graph.nodes:
-        if not (is_helper(node) and node.target is ops.cast):
-            continue
-        source, dtype = node.args[0], node.args[1]
-        info = infos.get(source, Info("unknown"))
-        if isinstance(dtype, fx.Node):
-            inputs = [infos.get(n, Info("unknown")) for n in dtype.all_input_nodes]
-            widest = ops.widest_dtype(
-                *[torch.empty(0, dtype=i.dtype) for i in inputs if i.castable]
-            )
-            target = widest
-        else:
-            target = dtype
-        if not info.castable or target is None or info.dtype == target:
-            continue  # a no-op at run time under the plan's assumption
-        text = f"{_label(source, path)} -> {dtype_name(target)}"
-        users = [u for u in node.users if not is_helper(u)]
-        tag = node.meta.get(CAST_TAG)
-        if tag == "after" and isinstance(source, fx.Node):
-            after.setdefault(source, []).append(text)
-        elif users and users[0].op != "output":
-            before.setdefault(users[0], []).append(text)
-        else:
-            outputs.append(text)
-    rows: list[PlanRow] = []
-    for node in graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module") or is_helper(node):
-            continue
-        info = infos.get(node, Info("unknown"))
-        precision = node.meta.get(PRECISION_TAG, Precision.FOLLOW)
-        if info.kind == "other" or (
-            node.target is operator.getitem and node not in before and node not in after
-        ):
-            continue  # shapes, sizes and plain indexing are not ops worth a row
-        extra = leaf_rows.get(node)
-        if (
-            node.op == "call_module"
-            and extra is not None
-            and extra
-            and extra[0].dtype == "at run time"
-        ):
-            rows.extend(extra)
-            continue
-        inner = scopes_of(node)
-        where = inner[-1][0] if inner else path
-        if node.op == "call_module":
-            where = _join(path, str(node.target))
-            op = type(root.get_submodule(str(node.target))).__name__
-        else:
-            op = ops.op_name(node.target)
-        if precision is Precision.LOW:
-            computes = dtype_name(recipe.dtype)
-        elif precision is Precision.FP32:
-            computes = "float32"
-        else:
-            computes = dtype_name(info.dtype) if info.dtype is not None else "follows inputs"
-        unit_casts = tuple(extra[0].casts_before) if extra else ()
-        rows.append(
-            PlanRow(
-                where,
-                op,
-                computes,
-                tuple(before.get(node, ())) + unit_casts,
-                tuple(after.get(node, ())),
-                note="unit" if extra else "",
-            )
-        )
-    if outputs:
-        rows.append(PlanRow(path, "outputs", "float32", (), tuple(outputs)))
-    return rows
