@@ -20,7 +20,9 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-__all__ = ["build_parser", "main"]
+from mixprec.cli.demo import LEVEL_CHOICES, DemoConfig
+
+__all__ = ["build_parser", "main", "make_console"]
 
 _DEMO_HELP = "train LeNet-5 on scikit-learn's digits at every level; print a table, write a PNG"
 _PLAN_HELP = "print the cast plan of a model from a factory MODULE:CALLABLE"
@@ -38,18 +40,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    defaults = DemoConfig()
     demo = commands.add_parser("demo", help=_DEMO_HELP, description=_DEMO_HELP)
-    demo.add_argument("--epochs", type=int, default=12, help="epochs per level (default 12)")
+    demo.add_argument(
+        "--epochs", type=int, default=defaults.epochs, help=f"default {defaults.epochs}"
+    )
     demo.add_argument(
         "--levels",
-        default="O0,O1,O2,O3,autocast,auto,O2-fp16",
-        help="comma-separated runs from O0,O1,O2,O3,autocast,auto,O2-fp16 (default: all)",
+        default=",".join(LEVEL_CHOICES),
+        help=f"comma-separated runs from {','.join(LEVEL_CHOICES)} (default: all)",
     )
     demo.add_argument("--dtype", default="bf16", help="low dtype: bf16 or fp16 (default bf16)")
-    demo.add_argument("--seed", type=int, default=0, help="data split, init and order (default 0)")
-    demo.add_argument("--out", default="mixprec-demo", help="folder for the PNG and JSON")
-    demo.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
-    demo.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3)")
+    demo.add_argument(
+        "--seed", type=int, default=defaults.seed, help="split, init and batch order (default 0)"
+    )
+    demo.add_argument("--out", default=str(defaults.out), help="folder for the PNG and JSON")
+    demo.add_argument(
+        "--batch-size", type=int, default=defaults.batch_size, help=f"default {defaults.batch_size}"
+    )
+    demo.add_argument(
+        "--lr", type=float, default=defaults.lr, help=f"Adam's peak learning rate ({defaults.lr:g})"
+    )
     demo.add_argument(
         "--steps-limit", type=int, default=None, help="stop each run after this many steps"
     )
@@ -79,10 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _console() -> Console:
+def make_console() -> Console:
+    """A rich console on stdout; wide enough for every column when stdout is not a terminal."""
     console = Console(file=sys.stdout)
     if not console.is_terminal:  # a pipe, a file, a test: wide enough for every column
-        console = Console(file=sys.stdout, width=200)
+        console = Console(file=sys.stdout, width=320)
     return console
 
 
@@ -93,7 +105,7 @@ def _demo(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as error:
         raise UsageError(str(error)) from error
-    run_demo(config, _console())
+    run_demo(config, make_console())
     return 0
 
 
@@ -122,7 +134,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(bench_dict(results, settings, described, machine), indent=2))
         return 0
-    console = _console()
+    console = make_console()
     console.print(
         f"machine: {machine['cpu']}, {machine['cores']} cores, "
         f"{machine['torch_threads']} torch threads, torch {machine['torch']}"

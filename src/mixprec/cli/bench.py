@@ -12,7 +12,10 @@ a copy of the same initial weights and its own SGD optimizer:
 
 Timings are medians over repeated calls after warm-up, with all variants of a model
 interleaved round by round (in a rotating order) so machine noise hits them alike.
-Ratios are speedups: ``t(reference) / t(variant)``, above 1 is faster.
+Ratios are speedups: ``t(reference) / t(variant)``, above 1 is faster. Casts are counted
+in one training-mode forward (gradients on) and in one inference call after a first one
+(steady state); bytes saved for backward in one training step (see
+:mod:`mixprec.cli.measure`).
 """
 
 from __future__ import annotations
@@ -238,6 +241,8 @@ def bench_case(case: Case, s: BenchSettings) -> list[Result]:
         saved[name] = memory.total
     casts_train = {name: _count(v.forward) for name, v in variants.items()}
     with torch.no_grad():
+        for v in variants.values():
+            v.infer()  # steady state: converted O2/O3 models reuse their weight casts
         casts_infer = {name: _count(v.infer) for name, v in variants.items()}
     train = _interleaved({name: v.train for name, v in variants.items()}, s)
     with torch.no_grad():
@@ -266,6 +271,13 @@ def bench_case(case: Case, s: BenchSettings) -> list[Result]:
     return results
 
 
+def _check(case: str, goal: str, value: float, at_least: bool, bound: float) -> dict[str, Any]:
+    # a hair of tolerance: 5.5 MiB / 10 MiB is 0.55, whatever the float rounding says
+    met = value >= bound - 1e-9 if at_least else value <= bound + 1e-9
+    target = f"{'>=' if at_least else '<='} {bound:g}" + ("" if isinstance(value, int) else "x")
+    return {"case": case, "goal": goal, "target": target, "value": value, "met": met}
+
+
 def goals(results: Sequence[Result]) -> list[dict[str, Any]]:
     """The issue's goals, checked per model: name, target, measured value, met."""
     checks: list[dict[str, Any]] = []
@@ -273,37 +285,34 @@ def goals(results: Sequence[Result]) -> list[dict[str, Any]]:
     for case in dict.fromkeys(r.case for r in results):
         o1, o2, o3 = (by[(case, f"mixprec {lv}")] for lv in ("O1", "O2", "O3"))
         ac = by[(case, AUTOCAST)]
-        rows = [
-            ("O2 train speed vs torch.autocast", ">= 1.30x", o2.ratios["train_vs_autocast"], 1.30),
-            ("O2 train time vs pure", "<= 1.15x", 1 / o2.ratios["train_vs_pure"], -1.15),
-            (
+        checks += [
+            _check(
+                case, "O2 train speed vs torch.autocast", o2.ratios["train_vs_autocast"], True, 1.3
+            ),
+            _check(case, "O2 train time vs pure", 1 / o2.ratios["train_vs_pure"], False, 1.15),
+            _check(
+                case,
                 "O2 inference speed vs torch.autocast",
-                ">= 1.30x",
                 o2.ratios["infer_vs_autocast"],
-                1.30,
+                True,
+                1.3,
             ),
-            (
+            _check(
+                case,
                 "O3 inference speed vs torch.autocast",
-                ">= 1.30x",
                 o3.ratios["infer_vs_autocast"],
-                1.30,
+                True,
+                1.3,
             ),
-            ("O2 saved for backward vs fp32", "<= 0.55x", o2.ratios["saved_vs_fp32"], -0.55),
+            _check(case, "O2 saved for backward vs fp32", o2.ratios["saved_vs_fp32"], False, 0.55),
+            _check(
+                case,
+                "O1 casts per forward vs torch.autocast's",
+                o1.casts_train,
+                False,
+                ac.casts_train,
+            ),
         ]
-        for goal, target, value, bound in rows:
-            met = value >= bound if bound > 0 else value <= -bound
-            checks.append(
-                {"case": case, "goal": goal, "target": target, "value": value, "met": met}
-            )
-        checks.append(
-            {
-                "case": case,
-                "goal": "O1 casts per forward vs torch.autocast",
-                "target": f"<= {ac.casts_train}",
-                "value": o1.casts_train,
-                "met": o1.casts_train <= ac.casts_train,
-            }
-        )
     return checks
 
 

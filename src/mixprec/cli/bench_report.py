@@ -76,7 +76,7 @@ def goals_table(results: Sequence[Result]) -> Table:
         table.add_column(column, justify="right" if column in ("measured", "met") else "left")
     for check in goals(results):
         value = check["value"]
-        shown = str(value) if isinstance(value, int) else _x(value)
+        shown = str(value) if isinstance(value, int) else f"{value:.3f}x"
         table.add_row(
             check["case"], check["goal"], check["target"], shown, "yes" if check["met"] else "NO"
         )

@@ -62,7 +62,7 @@ def batch_order(num_samples: int, batch_size: int, epochs: int, seed: int) -> li
 
     Example:
         >>> [b.tolist() for b in batch_order(4, 2, 1, seed=0)]
-        [[2, 0], [1, 3]]
+        [[0, 1], [3, 2]]
     """
     generator = torch.Generator().manual_seed(seed)
     batches: list[torch.Tensor] = []

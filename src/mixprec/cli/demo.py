@@ -58,7 +58,7 @@ class DemoConfig:
 
     levels: tuple[str, ...] = LEVEL_CHOICES
     dtype: torch.dtype = torch.bfloat16
-    epochs: int = 12
+    epochs: int = 16
     batch_size: int = 32
     lr: float = 2e-3
     seed: int = 0
@@ -190,10 +190,9 @@ def train_one(
         progress.advance(task)
     tail = losses[-max(1, min(len(losses), len(data.y_train) // config.batch_size)) :]
     low = step.dtype
-    level = step.level.value if isinstance(step.level, mixprec.Level) else str(step.level)
     return RunResult(
         name=spec.name,
-        level=level,
+        level=str(step.level),
         dtype=_dtype_name(low),
         accuracy=_accuracy(step.network, data),
         final_loss=sum(tail) / len(tail),
@@ -252,9 +251,14 @@ def write_png(results: Sequence[RunResult], path: Path) -> Path:
     figure = Figure(figsize=(12, 4.5), dpi=100)
     FigureCanvasAgg(figure)
     losses, scales = figure.subplots(1, 2)
-    for r in results:
+    styles = ("-", "--", ":", "-.")  # levels that compute alike overlap: keep each visible
+    for index, r in enumerate(results):
         window = max(1, min(20, len(r.losses) // 10))
-        losses.plot(_moving_average(r.losses, window), label=f"{r.name} ({r.accuracy:.1f}%)")
+        losses.plot(
+            _moving_average(r.losses, window),
+            linestyle=styles[index % len(styles)],
+            label=f"{r.name} ({r.accuracy:.2f}%)",
+        )
     losses.set(title="training loss (moving average)", xlabel="step", ylabel="loss", yscale="log")
     losses.legend(fontsize=8)
     scaled = [r for r in results if r.loss_scale is not None]
@@ -313,8 +317,8 @@ def _summary(results: Sequence[RunResult]) -> str:
     notes = [
         "step time: median over the steps after warm-up; casts counted in one training forward"
     ]
-    if base is None:
-        return "; ".join(notes)
+    if base is None or len(results) == 1:
+        return "\n".join(notes)
     off = [r for r in results if abs(r.accuracy - base.accuracy) > TOLERANCE]
     if off:
         detail = ", ".join(f"{r.name} {r.accuracy - base.accuracy:+.2f}" for r in off)

@@ -1,0 +1,338 @@
+"""The ``mixprec`` command line: demo, plan and bench, end to end on tiny settings.
+
+Nothing here is timed: the tests check structure (columns, files, JSON, exit codes,
+messages), and the measurement helpers on cases small enough to count by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.cli import main
+from mixprec.cli.bench import VARIANTS
+from mixprec.cli.bench_report import BENCH_COLUMNS
+from mixprec.cli.data import batch_order, load_digits
+from mixprec.cli.demo import COLUMNS, JSON_NAME, PNG_NAME, parse_levels
+from mixprec.cli.measure import CastCounter, SavedBytes
+from mixprec.cli.models import lenet5
+from mixprec.cli.plan import InputSpec, PlanError, parse_input
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+ALL_RUNS = "O0,O1,O2,O3,autocast,auto,O2-fp16"
+
+
+# ---------------------------------------------------------------------------- demo
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path]:
+    """One tiny demo over every run (6 steps each), shared by the demo tests."""
+    out = tmp_path_factory.mktemp("demo")
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        code = main(["demo", "--steps-limit", "6", "--levels", ALL_RUNS, "--out", str(out)])
+    return code, buffer.getvalue(), out
+
+
+def test_demo_runs_and_prints_every_column(demo_run: tuple[int, str, Path]) -> None:
+    code, text, _ = demo_run
+    assert code == 0
+    for column in COLUMNS:
+        assert column in text, column
+    for row in ("O0", "O1", "O2", "O3", "autocast", "auto -> O2", "O2 fp16 + dynamic scaling"):
+        assert f"│ {row} " in text, row
+
+
+def test_demo_rows_report_dtypes_and_loss_scale(demo_run: tuple[int, str, Path]) -> None:
+    rows = json.loads((demo_run[2] / JSON_NAME).read_text())
+    by_name = {row["name"]: row for row in rows}
+    assert by_name["O0"]["dtype"] == "float32"
+    assert by_name["O0"]["casts"] == 0
+    assert by_name["O2"]["dtype"] == "bfloat16"
+    assert by_name["auto"]["level"] == "O2"
+    fp16 = by_name["O2 fp16 + dynamic scaling"]
+    assert fp16["dtype"] == "float16"
+    assert fp16["loss_scale"] >= 1
+    assert all(row["steps"] == 6 for row in rows)
+    assert all(0 <= row["accuracy"] <= 100 for row in rows)
+    # low-precision activations: O2 keeps less for backward than float32
+    assert 0 < by_name["O2"]["saved_bytes"] < by_name["O0"]["saved_bytes"]
+
+
+def test_demo_writes_a_valid_png(demo_run: tuple[int, str, Path]) -> None:
+    import matplotlib.image
+
+    png = demo_run[2] / PNG_NAME
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+    image = matplotlib.image.imread(png)
+    assert image.ndim == 3
+    assert image.shape[0] > 100
+    assert image.shape[1] > 100
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--levels", "O0,O9"], "--levels names 'O9', which is not a level; choose from O0"),
+        (["--dtype", "fp8"], "--dtype: dtype must be one of"),
+        (["--epochs", "0"], "--epochs must be >= 1; got 0"),
+        (["--steps-limit", "-1"], "--steps-limit must be >= 1; got -1"),
+        (["--lr", "0"], "--lr must be > 0; got 0.0"),
+    ],
+    ids=["level", "dtype", "epochs", "steps-limit", "lr"],
+)
+def test_demo_rejects_bad_flags(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["demo", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1
+
+
+def test_parse_levels_normalises_and_dedupes() -> None:
+    assert parse_levels("o0, AUTOCAST,o0,o2-FP16") == ("O0", "autocast", "O2-fp16")
+
+
+def test_digits_split_and_batch_order_are_fixed() -> None:
+    data = load_digits(seed=0)
+    assert data.x_train.shape[1:] == (1, 32, 32)
+    assert len(data.y_train) + len(data.y_test) == 1797
+    first = batch_order(len(data.y_train), 32, 2, seed=0)
+    again = batch_order(len(data.y_train), 32, 2, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert len(first) == 2 * (len(data.y_train) // 32)
+
+
+# ---------------------------------------------------------------------------- plan
+def test_plan_prints_the_table_and_totals(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "mixprec.cli.models:lenet5", "--input", "1,1,32,32"]) == 0
+    out = capsys.readouterr().out
+    expected = mixprec.explain(mixprec.auto_mixed_precision(lenet5(), "O1"))
+    assert "output (1, 10) float32" in out
+    assert str(expected) in out
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "autocast"])
+def test_plan_json_matches_explain(level: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "mixprec.cli.models:lenet5", "--input", "2,1,32,32", "--level", level]
+    assert main([*argv, "--dtype", "bf16", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    expected = mixprec.explain(mixprec.auto_mixed_precision(lenet5(), level, "bf16"))
+    assert printed["totals"]["casts_per_forward"] == expected.num_casts
+    assert printed["totals"]["casts_removed"] == expected.casts_removed
+    assert printed == expected.to_dict()
+
+
+FACTORIES = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 8)
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, tokens, features):
+            return self.proj(self.embed(tokens) + features)
+
+    def two_inputs():
+        return TwoInputs()
+
+    def broken():
+        raise RuntimeError("no weights here")
+
+    def not_a_model():
+        return 42
+
+    VALUE = 3
+    """
+)
+
+
+@pytest.fixture
+def factories(tmp_path: Path) -> Path:
+    path = tmp_path / "factories.py"
+    path.write_text(FACTORIES)
+    return path
+
+
+def test_plan_loads_a_file_with_integer_and_float_inputs(
+    factories: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", f"{factories}:two_inputs", "--input", "int:2,5", "--input", "2,5,8", "--json"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["level"] == "O1"
+    assert plan["totals"]["casts_per_forward"] > 0
+
+
+@pytest.mark.parametrize(
+    ("target", "inputs", "extra", "message"),
+    [
+        ("lenet5", ["1,1,32,32"], [], "must be MODULE:CALLABLE"),
+        ("no/such/file.py:make", ["1,1,32,32"], [], "no such file: 'no/such/file.py'"),
+        ("no_such_module_xyz:make", ["1,1"], [], "cannot import module 'no_such_module_xyz'"),
+        ("mixprec.cli.models:lenet6", ["1,1,32,32"], [], "has no attribute 'lenet6'; it has"),
+        ("{file}:missing", ["1,1"], [], "has no attribute 'missing'"),
+        ("{file}:VALUE", ["1,1"], [], "is a int, not a callable model factory"),
+        ("{file}:broken", ["1,1"], [], "calling {file}:broken() failed: RuntimeError: no weights"),
+        ("{file}:not_a_model", ["1,1"], [], "must return a torch.nn.Module; got int: 42"),
+        ("mixprec.cli.models:lenet5", ["1,x,32,32"], [], "--input '1,x,32,32': a shape is"),
+        ("mixprec.cli.models:lenet5", ["1,0,32"], [], "--input '1,0,32': a shape is"),
+        ("mixprec.cli.models:lenet5", ["half:1,1"], [], "unknown element type 'half'"),
+        ("mixprec.cli.models:lenet5", [], [], "give at least one --input SHAPE"),
+        ("mixprec.cli.models:lenet5", ["1,3,32,32"], [], "failed to run on inputs float:1,3,32,32"),
+        ("mixprec.cli.models:lenet5", ["1,1,32,32"], ["--level", "O7"], "--level must be one of"),
+        ("mixprec.cli.models:lenet5", ["1,1,32,32"], ["--level", "O0"], "converts nothing"),
+        ("mixprec.cli.models:lenet5", ["1,1,32,32"], ["--dtype", "int8"], "--dtype: dtype must"),
+    ],
+    ids=[
+        "no-colon",
+        "no-file",
+        "no-module",
+        "no-attribute",
+        "no-attribute-in-file",
+        "not-callable",
+        "factory-raises",
+        "not-a-module",
+        "shape-not-int",
+        "shape-zero",
+        "shape-kind",
+        "no-input",
+        "fails-to-run",
+        "bad-level",
+        "level-O0",
+        "bad-dtype",
+    ],
+)
+def test_plan_errors_are_one_line_with_status_2(
+    target: str,
+    inputs: list[str],
+    extra: list[str],
+    message: str,
+    factories: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    target = target.format(file=factories)
+    argv = ["plan", target, *(a for i in inputs for a in ("--input", i)), *extra]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("mixprec plan: error: ")
+    assert message.format(file=factories) in captured.err
+    assert captured.err.count("\n") == 1
+
+
+def test_parse_input_kinds() -> None:
+    assert parse_input("1, 3,4") == InputSpec((1, 3, 4), torch.float32)
+    assert parse_input("int:2,8") == InputSpec((2, 8), torch.int64)
+    with pytest.raises(PlanError, match="a shape is positive integers"):
+        parse_input("int:")
+
+
+# ---------------------------------------------------------------------------- bench
+@pytest.fixture(scope="module")
+def bench_json() -> dict[str, Any]:
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        assert main(["bench", "--quick", "--json"]) == 0
+    data: dict[str, Any] = json.loads(buffer.getvalue())
+    return data
+
+
+def test_bench_json_has_every_model_and_variant(bench_json: dict[str, Any]) -> None:
+    results = bench_json["results"]
+    assert isinstance(results, list)
+    pairs = {(r["case"], r["variant"]) for r in results}
+    assert pairs == {(c, v) for c in ("mlp", "cnn", "transformer") for v in VARIANTS}
+    for r in results:
+        assert r["train_ms"] > 0
+        assert r["infer_ms"] > 0
+        assert set(r["ratios"]) == {
+            "train_vs_autocast",
+            "train_vs_pure",
+            "infer_vs_autocast",
+            "infer_vs_pure",
+            "saved_vs_fp32",
+        }
+    by = {(r["case"], r["variant"]): r for r in results}
+    for case in ("mlp", "cnn", "transformer"):
+        assert by[(case, "fp32")]["casts_train"] == 0
+        assert by[(case, "torch.autocast")]["ratios"]["train_vs_autocast"] == pytest.approx(1.0)
+        assert by[(case, "mixprec O2")]["casts_train"] > 0
+    assert {"cpu", "cores", "torch"} <= set(bench_json["machine"])
+    goals = bench_json["goals"]
+    assert isinstance(goals, list)
+    assert len(goals) == 3 * 6
+    assert all(isinstance(goal["met"], bool) for goal in goals)
+
+
+def test_bench_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--quick", "--models", "mlp", "--repeats", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    for column in BENCH_COLUMNS:
+        assert column in out, column
+    for variant in VARIANTS:
+        assert variant in out, variant
+    assert "goals" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--models", "mlp,vit"],
+            "--models must name some of mlp, cnn, transformer; got 'mlp,vit'",
+        ),
+        (["--repeats", "0"], "--repeats must be >= 1; got 0"),
+        (["--dtype", "fp64"], "--dtype: dtype must be one of"),
+    ],
+    ids=["models", "repeats", "dtype"],
+)
+def test_bench_rejects_bad_flags(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "--quick", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- main
+def test_main_usage_errors_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    assert "demo" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- measure
+def test_cast_counter_counts_dtype_changes_only() -> None:
+    x = torch.ones(3)
+    with CastCounter() as counter:
+        x.to(torch.bfloat16).to(torch.float32)
+        x.to(torch.float32)  # no change: no copy
+        x.clone()
+    assert counter.total == 2
+    assert counter.casts[(torch.float32, torch.bfloat16)] == 1
+
+
+def test_saved_bytes_counts_each_storage_once_and_skips_parameters() -> None:
+    layer = nn.Linear(4, 4, bias=False)
+    x = torch.randn(2, 4, requires_grad=True)
+    with SavedBytes(exclude=layer.parameters()) as saved:
+        y = layer(x)  # saves x (32 bytes) and the weight (excluded)
+        (y * y).sum()  # saves y twice: one storage, 32 bytes
+    assert saved.total == 32 + 32
+    with SavedBytes() as everything:
+        layer(x)
+    assert everything.total == 32 + 64
