@@ -7,10 +7,10 @@ import operator
 
 import pytest
 import torch
-from helpers import MLP
 from torch import nn
 
 import mixprec as amp
+from helpers import MLP
 from mixprec import lists
 from mixprec.dtypes import resolve_dtype
 from mixprec.ops import op_key, op_name
