@@ -499,3 +499,37 @@ def test_plan_table_and_dict() -> None:
     assert data["totals"]["casts_removed"] == plan.casts_removed
     assert len(data["rows"]) == len(plan.rows)
     assert {"path", "op", "dtype", "casts_before", "casts_after", "note"} <= set(data["rows"][0])
+
+
+def test_o1_casts_sink_below_data_movement() -> None:
+    """A reshape/permute between two low ops (attention heads) costs no float32 round trip."""
+
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+            self.out = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, c = x.shape
+            q, k, v = self.qkv(x).reshape(b, t, 3, 4, c // 4).permute(2, 0, 3, 1, 4).unbind(0)
+            y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c)
+            return self.out(y) + x
+
+    model = Heads()
+    x = torch.randn(2, 5, 16)
+    converted = amp.auto_mixed_precision(model, "O1", "bf16")
+    out, counter = count_casts(converted, x)
+    plan = amp.explain(converted)
+    sdpa = next(n for n in converted.graph.nodes if n.target is F.scaled_dot_product_attention)
+    assert all(a.target is operator.getitem for a in sdpa.args)  # q, k, v come straight from unbind
+    proj = next(
+        n
+        for n in converted.graph.nodes
+        if n.target is F.linear and n.args[1].args[0].target == "out.weight"
+    )
+    assert proj.args[0].target == "reshape"  # the attention output reaches the projection in bf16
+    # x and the 4 weights down; the output of `out` up once, for the residual add
+    assert plan.num_casts == counter.total
+    assert counter.casts == {(torch.float32, torch.bfloat16): 5, (torch.bfloat16, torch.float32): 1}
+    assert rel_error(out, model(x)) < BF16_TOL

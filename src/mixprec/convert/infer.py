@@ -208,8 +208,8 @@ def _infer_node(node: fx.Node, infos: dict[fx.Node, Info], root: nn.Module) -> I
         return OTHER
     if target is operator.getitem:
         base = inputs[0] if inputs else UNKNOWN
-        if base.kind == "tensor":
-            return base
+        if base.kind in ("tensor", "other"):
+            return base  # an element of a tensor (or a tuple of them), or of a shape
         return Info("unknown", base.dtype, exact=base.exact) if base.dtype is not None else UNKNOWN
     if name in _DTYPE_METHODS:
         return Info("tensor", _DTYPE_METHODS[name], exact=True)

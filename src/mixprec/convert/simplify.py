@@ -1,14 +1,19 @@
 """Redundant-cast removal.
 
-Four rewrites, repeated until nothing changes, each valid whatever the model's inputs are:
+Five rewrites, repeated until nothing changes, each valid whatever the model's inputs are:
 
 1. **round trip**: ``cast(cast(v, float32), D)`` is ``cast(v, D)``: float32 holds every
    16-bit value exactly, so going through it changes nothing. This is what keeps
    ``conv -> relu -> conv`` under O1 entirely in low precision.
 2. **no-op**: ``cast(v, D)`` is ``v`` when ``v`` is known to be ``D`` (or not castable)
    whatever the inputs are (see :class:`mixprec.convert.infer.Info.exact`).
-3. **one cast per value and dtype**: two casts of one value to one dtype are one.
-4. **dead casts**: a cast nobody uses is removed (so a float32 cast whose users were all
+3. **sinking through data movement**: ``reshape(cast(v, float32))`` is
+   ``cast(reshape(v), float32)`` for ops that only move data (view, reshape, permute,
+   transpose, indexing, unbind, split, ...): the values are the same bits. Moving the cast
+   below them lets rule 1 remove a round trip between two low ops that a reshape separates
+   (attention heads), where MindSpore's insertion would cast up and down again.
+4. **one cast per value and dtype**: two casts of one value to one dtype are one.
+5. **dead casts**: a cast nobody uses is removed (so a float32 cast whose users were all
    casts back to the low dtype disappears, MindSpore's rule; a branch that needs float32,
    such as a BatchNorm after a conv, keeps its own float32 copy).
 """
@@ -19,10 +24,39 @@ import torch
 from torch import fx, nn
 
 from mixprec import ops
-from mixprec.convert.infer import infer
-from mixprec.convert.insert import is_helper
+from mixprec.convert.infer import Info, infer
+from mixprec.convert.insert import CAST_TAG, is_helper
 
-__all__ = ["count_casts", "simplify"]
+__all__ = ["DATA_MOVEMENT", "count_casts", "simplify"]
+
+#: Ops that only move data: they give the same values in any floating dtype.
+DATA_MOVEMENT = frozenset(
+    (
+        "view",
+        "reshape",
+        "permute",
+        "transpose",
+        "t",
+        "swapaxes",
+        "movedim",
+        "flatten",
+        "unflatten",
+        "squeeze",
+        "unsqueeze",
+        "contiguous",
+        "expand",
+        "getitem",
+        "unbind",
+        "split",
+        "chunk",
+        "narrow",
+        "select",
+        "flip",
+        "roll",
+        "repeat",
+        "tile",
+    )
+)
 
 
 def _is_cast(node: object) -> bool:
@@ -38,42 +72,98 @@ def _bypass(node: fx.Node, replacement: fx.Node) -> None:
     node.graph.erase_node(node)
 
 
+def _fold(graph: fx.Graph, infos: dict[fx.Node, Info]) -> bool:
+    """Rules 1 and 2."""
+    changed = False
+    for node in list(graph.nodes):
+        if not _is_cast(node):
+            continue
+        source, dtype = node.args[0], node.args[1]
+        if _is_cast(source) and source.args[1] == torch.float32 and isinstance(dtype, torch.dtype):
+            node.args = (source.args[0], dtype)
+            source = node.args[0]
+            changed = True
+        info = infos.get(source)
+        if info is None or not info.exact or not isinstance(dtype, torch.dtype):
+            continue
+        if info.dtype == dtype or (info.dtype is not None and not info.castable):
+            _bypass(node, source)
+            changed = True
+    return changed
+
+
+def _moves_only(node: fx.Node, cast: fx.Node, infos: dict[fx.Node, Info]) -> bool:
+    """Is ``node`` a data-movement op whose only floating input is ``cast``?"""
+    if node.op not in ("call_function", "call_method") or is_helper(node):
+        return False
+    if ops.op_name(node.target) not in DATA_MOVEMENT:
+        return False
+    others = [n for n in node.all_input_nodes if n is not cast]
+    return all(
+        infos.get(n, Info("unknown")).kind == "other" or _exact_non_float(infos.get(n))
+        for n in others
+    )
+
+
+def _exact_non_float(info: Info | None) -> bool:
+    return (
+        info is not None
+        and info.exact
+        and info.dtype is not None
+        and not info.dtype.is_floating_point
+    )
+
+
+def _sink(graph: fx.Graph, infos: dict[fx.Node, Info]) -> bool:
+    """Rule 3: move float32 casts of exact low values below data-movement ops."""
+    changed = False
+    for cast in list(graph.nodes):
+        if not _is_cast(cast) or cast.args[1] != torch.float32:
+            continue
+        source = cast.args[0]
+        info = infos.get(source)
+        if info is None or not info.exact or not info.castable or info.dtype == torch.float32:
+            continue
+        for user in list(cast.users):
+            if not _moves_only(user, cast, infos):
+                continue
+            user.replace_input_with(cast, source)
+            with graph.inserting_after(user):
+                below = graph.call_function(ops.cast, (user, torch.float32))
+            below.meta[CAST_TAG] = "after"
+            user.replace_all_uses_with(below, delete_user_cb=lambda u, below=below: u is not below)
+            changed = True
+    return changed
+
+
+def _dedupe_and_sweep(graph: fx.Graph) -> bool:
+    """Rules 4 and 5."""
+    changed = False
+    seen: dict[tuple[object, object], fx.Node] = {}
+    for node in list(graph.nodes):
+        if not _is_cast(node):
+            continue
+        key = (node.args[0], node.args[1])
+        if key in seen:
+            _bypass(node, seen[key])
+            changed = True
+        else:
+            seen[key] = node
+    for node in reversed(list(graph.nodes)):
+        if is_helper(node) and not node.users:
+            graph.erase_node(node)
+            changed = True
+    return changed
+
+
 def simplify(graph: fx.Graph, root: nn.Module) -> int:
-    """Remove redundant casts from ``graph`` in place; returns how many were removed."""
+    """Remove redundant casts from ``graph`` in place; returns how many were removed
+    (casts moved by rule 3 are counted where they end up)."""
     before = count_casts(graph)
-    changed = True
-    while changed:
-        changed = False
-        infos = infer(graph, root)
-        for node in list(graph.nodes):
-            if not _is_cast(node):
-                continue
-            source, dtype = node.args[0], node.args[1]
-            if (
-                _is_cast(source)
-                and source.args[1] == torch.float32
-                and isinstance(dtype, torch.dtype)
-            ):
-                node.args = (source.args[0], dtype)
-                source = node.args[0]
-                changed = True
-            info = infos.get(source)
-            known = info is not None and info.exact and isinstance(dtype, torch.dtype)
-            if known and (info.dtype == dtype or (info.dtype is not None and not info.castable)):  # type: ignore[union-attr]
-                _bypass(node, source)
-                changed = True
-        seen: dict[tuple[object, object], fx.Node] = {}
-        for node in list(graph.nodes):
-            if not _is_cast(node):
-                continue
-            key = (node.args[0], node.args[1])
-            if key in seen:
-                _bypass(node, seen[key])
-                changed = True
-            else:
-                seen[key] = node
-        for node in reversed(list(graph.nodes)):
-            if is_helper(node) and not node.users:
-                graph.erase_node(node)
-                changed = True
-    return before - count_casts(graph)
+    while True:
+        changed = _fold(graph, infer(graph, root))
+        changed |= _sink(graph, infer(graph, root))
+        changed |= _dedupe_and_sweep(graph)
+        if not changed:
+            break
+    return max(before - count_casts(graph), 0)
