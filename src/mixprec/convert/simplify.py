@@ -7,11 +7,12 @@ Five rewrites, repeated until nothing changes, each valid whatever the model's i
    ``conv -> relu -> conv`` under O1 entirely in low precision.
 2. **no-op**: ``cast(v, D)`` is ``v`` when ``v`` is known to be ``D`` (or not castable)
    whatever the inputs are (see :class:`mixprec.convert.infer.Info.exact`).
-3. **sinking through data movement**: ``reshape(cast(v, float32))`` is
-   ``cast(reshape(v), float32)`` for ops that only move data (view, reshape, permute,
-   transpose, indexing, unbind, split, ...): the values are the same bits. Moving the cast
-   below them lets rule 1 remove a round trip between two low ops that a reshape separates
-   (attention heads), where MindSpore's insertion would cast up and down again.
+3. **sinking through value-preserving ops**: ``reshape(cast(v, float32))`` is
+   ``cast(reshape(v), float32)`` for ops whose outputs are some of their input's values
+   (view, reshape, permute, transpose, indexing, unbind, split, max pooling, ...): the
+   results are the same bits in either order. Moving the cast below them lets rule 1 remove
+   a round trip between two low ops that a reshape or a max-pool separates (attention
+   heads, conv-relu-pool-conv), where MindSpore's insertion would cast up and down again.
 4. **one cast per value and dtype**: two casts of one value to one dtype are one.
 5. **dead casts**: a cast nobody uses is removed (so a float32 cast whose users were all
    casts back to the low dtype disappears, MindSpore's rule; a branch that needs float32,
@@ -27,10 +28,11 @@ from mixprec import ops
 from mixprec.convert.infer import Info, infer
 from mixprec.convert.insert import CAST_TAG, is_helper
 
-__all__ = ["DATA_MOVEMENT", "count_casts", "simplify"]
+__all__ = ["VALUE_PRESERVING", "count_casts", "simplify"]
 
-#: Ops that only move data: they give the same values in any floating dtype.
-DATA_MOVEMENT = frozenset(
+#: Ops whose outputs are some of their input's values (data movement and max selection):
+#: they give the same values in any floating dtype.
+VALUE_PRESERVING = frozenset(
     (
         "view",
         "reshape",
@@ -55,6 +57,12 @@ DATA_MOVEMENT = frozenset(
         "roll",
         "repeat",
         "tile",
+        "max_pool1d",
+        "max_pool2d",
+        "max_pool3d",
+        "adaptive_max_pool1d",
+        "adaptive_max_pool2d",
+        "adaptive_max_pool3d",
     )
 )
 
@@ -93,10 +101,10 @@ def _fold(graph: fx.Graph, infos: dict[fx.Node, Info]) -> bool:
 
 
 def _moves_only(node: fx.Node, cast: fx.Node, infos: dict[fx.Node, Info]) -> bool:
-    """Is ``node`` a data-movement op whose only floating input is ``cast``?"""
+    """Is ``node`` a value-preserving op whose only floating input is ``cast``?"""
     if node.op not in ("call_function", "call_method") or is_helper(node):
         return False
-    if ops.op_name(node.target) not in DATA_MOVEMENT:
+    if ops.op_name(node.target) not in VALUE_PRESERVING:
         return False
     others = [n for n in node.all_input_nodes if n is not cast]
     return all(
