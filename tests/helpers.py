@@ -1,36 +1,15 @@
-"""Shared test helpers: a cast counter and small models."""
+"""Shared test helpers: counting casts, relative error, small models."""
 
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-
-class CastCounter(TorchDispatchMode):
-    """Counts dtype-changing copies (``aten._to_copy`` with a new dtype) while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.casts: Counter[tuple[torch.dtype, torch.dtype]] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func is torch.ops.aten._to_copy.default:
-            source = args[0]
-            if isinstance(out, torch.Tensor) and out.dtype != source.dtype:
-                self.casts[(source.dtype, out.dtype)] += 1
-        return out
-
-    @property
-    def total(self) -> int:
-        return sum(self.casts.values())
+from mixprec.cli.measure import CastCounter
 
 
 def count_casts(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, CastCounter]:

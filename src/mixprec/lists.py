@@ -42,6 +42,17 @@ __all__ = [
 
 # --------------------------------------------------------------------------- level lists
 
+# recurrent layers and attention: white-listed as a whole, and run whole in low precision
+_SEQUENCE_MODULES: tuple[type[nn.Module], ...] = (
+    nn.LSTM,
+    nn.GRU,
+    nn.RNN,
+    nn.LSTMCell,
+    nn.GRUCell,
+    nn.RNNCell,
+    nn.MultiheadAttention,
+)
+
 #: Module classes that compute in low precision under O1.
 WHITE_MODULES: tuple[type[nn.Module], ...] = (
     nn.Linear,
@@ -52,13 +63,7 @@ WHITE_MODULES: tuple[type[nn.Module], ...] = (
     nn.ConvTranspose1d,
     nn.ConvTranspose2d,
     nn.ConvTranspose3d,
-    nn.LSTM,
-    nn.GRU,
-    nn.RNN,
-    nn.LSTMCell,
-    nn.GRUCell,
-    nn.RNNCell,
-    nn.MultiheadAttention,
+    *_SEQUENCE_MODULES,
 )
 
 #: Functions (and their Tensor-method and operator forms) that compute in low precision under O1.
@@ -114,15 +119,7 @@ FP32_STATE_MODULES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBas
 
 #: Modules the autocast level runs whole in low precision when their forward cannot be
 #: traced (recurrent layers and attention, whose aten kernels autocast casts down).
-AUTOCAST_LOW_MODULES: tuple[type[nn.Module], ...] = (
-    nn.LSTM,
-    nn.GRU,
-    nn.RNN,
-    nn.LSTMCell,
-    nn.GRUCell,
-    nn.RNNCell,
-    nn.MultiheadAttention,
-)
+AUTOCAST_LOW_MODULES: tuple[type[nn.Module], ...] = _SEQUENCE_MODULES
 
 #: Built-in modules whose forward cannot be traced but which are one op each: the graph
 #: keeps them as single calls decided by that op's name.
