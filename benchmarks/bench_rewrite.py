@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                 case.name,
                 level,
                 f"{statistics.median(times) * 1e3:.1f} ms",
-                str(mixprec.explain(converted).num_casts),
+                str(mixprec.explain(converted, *inputs).num_casts),
                 str(counter.total),
             )
     make_console().print(table)

@@ -196,3 +196,28 @@ def test_scaler_validation_messages() -> None:
         amp.FixedLossScaleManager(0.5)
     with pytest.raises(ValueError, match=r"init_loss_scale must be a finite number >= 1; got 0.25"):
         amp.DynamicLossScaleManager(init_loss_scale=0.25)
+
+
+@pytest.mark.parametrize("level", ["O1", "autocast", "O2", "O3"])
+def test_explain_with_example_inputs_counts_their_casts(level: str) -> None:
+    from helpers import TinyTransformer, count_casts
+
+    model = TinyTransformer().eval()
+    tokens = torch.randint(0, 50, (2, 7))
+    converted = amp.auto_mixed_precision(model, level, "bf16")
+    _, counter = count_casts(converted, tokens)
+    assert amp.explain(converted, tokens).num_casts == counter.total
+    assert amp.explain(converted, tokens=tokens).num_casts == counter.total
+    assert amp.explain(converted, tokens).assumption == "the given example inputs"
+    with pytest.raises(TypeError, match="the example inputs do not fit"):
+        amp.explain(converted, tokens, tokens)
+
+
+def test_explain_with_a_low_precision_input() -> None:
+    from helpers import count_casts
+
+    converted = amp.auto_mixed_precision(MLP(), "O2", "bf16")
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    _, counter = count_casts(converted, x)
+    assert amp.explain(converted).num_casts == counter.total + 1  # the default assumes float32
+    assert amp.explain(converted, x).num_casts == counter.total

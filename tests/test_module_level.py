@@ -400,3 +400,15 @@ def test_buffers_updated_in_place_by_the_forward_are_written_back() -> None:
     assert model.total.dtype == torch.float32
     assert float(model.total) == 8.0  # written back
     assert torch.equal(model.offset, torch.full((4,), 0.5))  # read only: untouched
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_export_and_compile(level: str) -> None:
+    torch.manual_seed(0)
+    converted = amp.auto_mixed_precision(SmallCNN().eval(), level, "bf16")
+    x = torch.randn(2, 3, 6, 6)
+    expected = converted(x)
+    exported = torch.export.export(converted, (x,))
+    assert torch.equal(exported.module()(x), expected)
+    compiled = torch.compile(converted, backend="eager")
+    assert torch.equal(compiled(x), expected)

@@ -199,7 +199,7 @@ def make_plan(
         raise PlanError(f"level {parsed_level} chose O0 on this machine: nothing to plan")
     output = _run(converted, tensors, f"the converted model ({parsed_level})", specs)
     line = f"{target} on inputs {specs}: ran before and after conversion; output {_shapes(output)}"
-    return mixprec.explain(converted), line
+    return mixprec.explain(converted, *tensors), line
 
 
 def run_plan(

@@ -23,6 +23,8 @@ changes (its version counter or storage), so repeated inference calls cast nothi
 from __future__ import annotations
 
 import functools
+import inspect
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +88,19 @@ class CastAtUseForward:
         state = dict(self.__dict__)
         state["_cache"] = {}
         return state
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The wrapped forward's signature (what ``inspect`` and ``torch.export`` see)."""
+        inner = self.inner or functools.partial(type(self.module).forward, self.module)
+        return inspect.signature(inner)
+
+    @property
+    def __code__(self) -> types.CodeType:
+        """The wrapped forward's code object (tools such as ``torch.export`` read its name
+        and location from ``module.forward.__code__``)."""
+        code = getattr(self.inner or type(self.module).forward, "__code__", None)
+        return code if isinstance(code, types.CodeType) else type(self).__call__.__code__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = cast_tree((args, kwargs), self.dtype)

@@ -8,13 +8,17 @@ fed: one float32 tensor per floating input.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from mixprec.convert.structure import conversion_of
+from mixprec.dtypes import is_castable
 from mixprec.levels import Recipe
 
 __all__ = ["CastPlan", "Conversion", "PlanRow", "explain"]
@@ -157,8 +161,13 @@ class Conversion:
     plan: CastPlan
 
 
-def explain(network: nn.Module) -> CastPlan:
+def explain(network: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> CastPlan:
     """The cast plan of a network converted by mixprec, read without running it.
+
+    Without example inputs the counts assume each floating input is one float32 tensor.
+    With them (only their dtypes are looked at; nothing runs), the casts of the inputs
+    themselves are counted for those inputs: an integer token tensor is not cast, a
+    bfloat16 input needs no cast down.
 
     Example:
         >>> net = mixprec.auto_mixed_precision(torch.nn.Linear(4, 4), "O1")
@@ -167,7 +176,7 @@ def explain(network: nn.Module) -> CastPlan:
         4
 
     Raises:
-        TypeError: if ``network`` is not a module.
+        TypeError: if ``network`` is not a module, or the examples do not fit its forward.
         ValueError: if it was not converted by mixprec.
     """
     if not isinstance(network, nn.Module):
@@ -180,4 +189,37 @@ def explain(network: nn.Module) -> CastPlan:
             f"network {type(network).__name__} was not converted by mixprec: convert it first with "
             "mixprec.auto_mixed_precision(network, level) or mixprec.custom_mixed_precision(...)"
         )
-    return conversion.plan
+    if not example_inputs and not example_kwargs:
+        return conversion.plan
+    return _for_inputs(conversion.plan, network, example_inputs, example_kwargs)
+
+
+def _needs_cast(value: Any, target: str) -> bool:
+    return is_castable(value) and dtype_name(value.dtype) != target
+
+
+def _for_inputs(
+    plan: CastPlan, network: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> CastPlan:
+    """``plan`` with the casts of the model's own inputs counted for these inputs."""
+    try:
+        bound = inspect.signature(network.forward).bind(*args, **kwargs)
+    except TypeError as error:
+        raise TypeError(
+            f"the example inputs do not fit {type(network).__name__}.forward: {error}"
+        ) from None
+    rows = []
+    for row in plan.rows:
+        if row.op == "inputs" and row.path == "":  # module level: every floating input
+            leaves = [v for v in pytree.tree_leaves((args, kwargs)) if _needs_cast(v, plan.dtype)]
+            casts = tuple(f"input {i} -> {plan.dtype}" for i in range(len(leaves)))
+            rows.append(dataclasses.replace(row, casts_before=casts))
+            continue
+        kept = []
+        for cast in row.casts_before:
+            name, _, target = cast.partition(" -> ")
+            if name in bound.arguments and not _needs_cast(bound.arguments[name], target):
+                continue
+            kept.append(cast)
+        rows.append(dataclasses.replace(row, casts_before=tuple(kept)))
+    return dataclasses.replace(plan, rows=tuple(rows), assumption="the given example inputs")
