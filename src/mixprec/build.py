@@ -77,9 +77,8 @@ def _resolve(
                 f"cast_model_type={given!r} does not fit level {level.value!r} with dtype {low}: "
                 "low-precision parameters go with O2/O3 in their dtype; otherwise use torch.float32"
             )
-    elif module_level and not distributed:
-        assert low is not None
-        cast_model_type = low
+    elif module_level and not distributed and low is not None:
+        cast_model_type = low  # the model holds low-precision Parameters (O2/O3 default)
 
     keep_bn = _option(kwargs, "keep_batchnorm_fp32", level is Level.O2)
     if not isinstance(keep_bn, bool):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -82,7 +83,10 @@ class CastAtUseForward:
         self.recurrent = tuple(
             {id(s.owner): s.owner for s in slots if isinstance(s.owner, nn.RNNBase)}.values()
         )
-        self._cache: dict[int, tuple[tuple[int, int, torch.device], torch.Tensor]] = {}
+        # id(stored tensor) -> (weak reference to it, (version, data pointer, device), low copy)
+        self._cache: dict[
+            int, tuple[weakref.ref[torch.Tensor], tuple[int, int, torch.device], torch.Tensor]
+        ] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -125,10 +129,10 @@ class CastAtUseForward:
             return tensor.to(self.dtype)
         key = (_version(tensor), tensor.data_ptr(), tensor.device)
         hit = self._cache.get(id(tensor))
-        if hit is not None and hit[0] == key:
-            return hit[1]
+        if hit is not None and hit[0]() is tensor and hit[1] == key:
+            return hit[2]
         low = tensor.detach().to(self.dtype)
-        self._cache[id(tensor)] = (key, low)
+        self._cache[id(tensor)] = (weakref.ref(tensor), key, low)
         return low
 
     def _swap_in(self) -> list[_Swapped]:
