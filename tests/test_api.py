@@ -183,10 +183,14 @@ def test_explain_errors() -> None:
 def test_auto_level_converts_to_o2_on_a_bf16_cpu() -> None:
     from mixprec import dtypes
 
-    converted = amp.auto_mixed_precision(MLP(), "auto")
+    model = MLP()
     if dtypes.has_native_low_precision("cpu"):
+        converted = amp.auto_mixed_precision(model, "auto")
         assert amp.explain(converted).level == "O2"
         assert amp.explain(converted).dtype == "bfloat16"
+    else:
+        with pytest.warns(UserWarning, match="chose O0"):
+            assert amp.auto_mixed_precision(model, "auto") is model
 
 
 def test_scaler_validation_messages() -> None:
