@@ -533,3 +533,26 @@ def test_o1_casts_sink_below_data_movement() -> None:
     assert plan.num_casts == counter.total
     assert counter.casts == {(torch.float32, torch.bfloat16): 5, (torch.bfloat16, torch.float32): 1}
     assert rel_error(out, model(x)) < BF16_TOL
+
+
+@pytest.mark.parametrize("level", ["O1", "autocast"])
+def test_none_default_arguments_are_specialized_with_a_run_time_fallback(level: str) -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True).eval()
+    converted = amp.auto_mixed_precision(layer, level, "bf16")
+    plan = amp.explain(converted)
+    assert any(
+        "graph traced with src_mask=None, src_key_padding_mask=None" in r.note for r in plan.rows
+    )
+    x = torch.randn(2, 5, 16)
+    mask = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    # without the mask: the static graph; with it: the run-time path, same numerics
+    plain, counter = count_casts(converted, x)
+    assert counter.total == plan.num_casts
+    masked = converted(x, src_key_padding_mask=mask)
+    assert rel_error(plain.float(), layer(x)) < BF16_TOL
+    assert rel_error(masked.float(), layer(x, src_key_padding_mask=mask)) < BF16_TOL
+    assert masked.dtype == plain.dtype
+    for other in (copy.deepcopy(converted), pickle.loads(pickle.dumps(converted))):
+        assert torch.equal(other(x), plain)
+        assert torch.equal(other(x, src_key_padding_mask=mask), masked)
