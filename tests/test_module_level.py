@@ -412,3 +412,56 @@ def test_export_and_compile(level: str) -> None:
     assert torch.equal(exported.module()(x), expected)
     compiled = torch.compile(converted, backend="eager")
     assert torch.equal(compiled(x), expected)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_tensors_made_in_float32_inside_forward_reach_layers_low(level: str) -> None:
+    """A timestep embedding built with torch.arange/float() (diffusion models) feeds a Linear."""
+
+    class TimeEmbed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.mlp = nn.Sequential(nn.Linear(8, 8), nn.SiLU(), nn.Linear(8, 8))
+
+        def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            freqs = torch.exp(-torch.arange(4) / 4.0)
+            args = t[:, None].float() * freqs[None]
+            return self.proj(x) + self.mlp(torch.cat([args.cos(), args.sin()], -1))
+
+    torch.manual_seed(0)
+    model = TimeEmbed()
+    x, t = torch.randn(3, 8), torch.tensor([1, 5, 9])
+    converted = amp.auto_mixed_precision(model, level, "bf16")
+    out = converted(x, t)
+    assert out.dtype == torch.float32
+    assert rel_error(out, model(x, t)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_counters_and_emas_in_buffers_keep_fp32_precision(level: str) -> None:
+    class Stats(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("seen", torch.zeros(()))
+            self.register_buffer("ema", torch.zeros(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                self.seen += 1
+                self.ema.mul_(0.999).add_(0.001 * x.mean(0))
+            return self.fc(x)
+
+    model = Stats()
+    reference = copy.deepcopy(model)
+    converted = amp.auto_mixed_precision(model, level, "bf16")
+    x = torch.ones(2, 4)
+    for _ in range(300):
+        converted(x)
+        reference(x)
+    assert float(model.seen) == 300.0  # bf16 counting would stall at 256
+    # the increments come from a bfloat16 input (0.001 * x rounds), the sum stays float32:
+    # summed in bfloat16 the EMA would stop moving (0.999 * ema rounds back to ema)
+    torch.testing.assert_close(model.ema, reference.ema, rtol=2e-3, atol=0)
+    assert model.ema.dtype == torch.float32

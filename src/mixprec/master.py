@@ -49,8 +49,6 @@ class MasterWeights:
         lows: dict[int, nn.Parameter] = {}
         pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         for slot in forward.slots:
-            if slot.is_buffer:
-                continue
             master = slot.owner._parameters[slot.name]
             if not isinstance(master, nn.Parameter) or master.dtype == forward.dtype:
                 continue

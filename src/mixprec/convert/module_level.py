@@ -4,17 +4,22 @@ A converted module is a structural copy of the original (same classes, same Para
 objects) whose ``forward`` is replaced, on the instance, by :class:`CastAtUseForward`:
 
 1. floating inputs are cast to the low dtype;
-2. every floating Parameter and buffer that computes in low precision is cast **once**
-   and swapped into the tree for the duration of the call (a tied weight is cast once
-   and used everywhere); the stored tensors keep their dtype and identity, so gradients
-   reach the float32 Parameters and an optimizer built before conversion keeps working;
+2. every floating Parameter that computes in low precision is cast **once** and swapped
+   into the tree for the duration of the call (a tied weight is cast once and used
+   everywhere); the stored tensors keep their dtype and identity, so gradients reach the
+   float32 Parameters and an optimizer built before conversion keeps working. Buffers stay
+   float32 and are read as they are (running statistics, counters and EMAs updated in
+   place keep float32 precision);
 3. modules that run in float32 (norms on the black list, modules pinned to float32) have
    their inputs cast up and their outputs cast back down by hooks on the copy; batch and
    instance norms that compute in low precision (O3) keep float32 weights and running
    statistics, which their kernels take with a low-precision input;
-4. the stored tensors are put back whatever happens, and a buffer the forward updated in
-   place by a tensor method (its version counter moved) is written back in float32;
-5. floating outputs are cast to float32.
+4. every low-precision module with weights casts its floating inputs down (a no-op when
+   they already are), so a tensor the model makes or promotes to float32 inside its
+   forward (a float32 buffer added in, a ``.float()``, ``torch.arange``) still reaches
+   the next layer in low precision, as MindSpore casts each cell's inputs;
+5. the stored Parameters are put back whatever happens; floating outputs are cast to
+   float32.
 
 With gradients off (inference), weight casts are cached and reused until the weight
 changes (its version counter or storage), so repeated inference calls cast nothing.
@@ -45,20 +50,15 @@ __all__ = ["CastAtUseForward", "convert_module_level", "make_low_unit"]
 
 @dataclass(frozen=True)
 class Slot:
-    """A Parameter or buffer that computes in low precision: ``owner.<name>``."""
+    """A Parameter that computes in low precision: ``owner.<name>``."""
 
     owner: nn.Module
     name: str
-    is_buffer: bool
     path: str
 
-    def table(self) -> dict[str, Any]:
-        return self.owner._buffers if self.is_buffer else self.owner._parameters
 
-
-# (the dict a tensor was swapped in, its name, the stored tensor, the low copy, the copy's
-# version when swapped in: None for Parameters, which are never written back)
-_Swapped = tuple[dict[str, Any], str, torch.Tensor, torch.Tensor, "int | None"]
+# (the dict a Parameter was swapped in, its name, the stored Parameter)
+_Swapped = tuple[dict[str, Any], str, torch.Tensor]
 
 
 class CastAtUseForward:
@@ -140,7 +140,7 @@ class CastAtUseForward:
         lows: dict[int, torch.Tensor] = {}
         try:
             for slot in self.slots:
-                table = slot.table()
+                table: dict[str, Any] = slot.owner._parameters
                 tensor = table.get(slot.name)
                 if tensor is None or tensor.dtype == self.dtype or not is_castable(tensor):
                     continue
@@ -148,9 +148,7 @@ class CastAtUseForward:
                 if low is None:
                     low = lows[id(tensor)] = self._low(tensor)
                 table[slot.name] = low
-                swapped.append(
-                    (table, slot.name, tensor, low, _version(low) if slot.is_buffer else None)
-                )
+                swapped.append((table, slot.name, tensor))
             for rnn in self.recurrent:
                 rnn._init_flat_weights()
         except BaseException:
@@ -159,11 +157,8 @@ class CastAtUseForward:
         return swapped
 
     def _swap_out(self, swapped: list[_Swapped]) -> None:
-        for table, name, original, low, version in reversed(swapped):
+        for table, name, original in reversed(swapped):
             table[name] = original
-            if version is not None and (version < 0 or _version(low) != version):
-                with torch.no_grad():
-                    original.copy_(low)  # a buffer updated in place: keep the update
         for rnn in self.recurrent:
             rnn._init_flat_weights()
 
@@ -192,9 +187,22 @@ class ExtraRepr:
         return "\n".join(part for part in (self.text, own) if part)
 
 
+def _settled(values: Any, dtype: torch.dtype) -> bool:
+    """No value needs a cast to ``dtype`` (checked without walking containers)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.dtype != dtype and is_castable(value):
+                return False
+        elif not isinstance(value, (int, float, bool, str, type(None))):
+            return False  # a container: let cast_tree look inside
+    return True
+
+
 def _cast_inputs_hook(
     dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    if _settled(args, dtype) and _settled(kwargs.values(), dtype):
+        return None  # the common case: nothing to cast, no tree walk
     return cast_tree(args, dtype), cast_tree(kwargs, dtype)
 
 
@@ -270,14 +278,17 @@ def convert_module_level(
             )
         cast_here: list[str] = []
         if precision is Precision.LOW and not isinstance(module, lists.FP32_STATE_MODULES):
-            for is_buffer, table in ((False, module._parameters), (True, module._buffers)):
-                for name, tensor in table.items():
-                    if tensor is None or not is_castable(tensor):
-                        continue
-                    slots.append(Slot(module, name, is_buffer, _join(path, name)))
-                    if tensor.dtype != low and id(tensor) not in seen_tensors:
-                        cast_here.append(f"{_join(path, name)} -> {dtype_name(low)}")
-                    seen_tensors.add(id(tensor))
+            owned = [
+                (n, t) for n, t in module._parameters.items() if t is not None and is_castable(t)
+            ]
+            for name, tensor in owned:
+                slots.append(Slot(module, name, _join(path, name)))
+                if tensor.dtype != low and id(tensor) not in seen_tensors:
+                    cast_here.append(f"{_join(path, name)} -> {dtype_name(low)}")
+                seen_tensors.add(id(tensor))
+            if owned and module is not root and precision is parent:
+                hook = functools.partial(_cast_inputs_hook, low)
+                module.register_forward_pre_hook(hook, with_kwargs=True)
         if cast_here:
             rows.append(
                 PlanRow(
