@@ -556,3 +556,154 @@ def test_none_default_arguments_are_specialized_with_a_run_time_fallback(level: 
     for other in (copy.deepcopy(converted), pickle.loads(pickle.dumps(converted))):
         assert torch.equal(other(x), plain)
         assert torch.equal(other(x, src_key_padding_mask=mask), masked)
+
+
+# ------------------------------------------------------- regressions found in review
+
+
+class EmaNoGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("ema", torch.ones(8))
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(h.mean(0) * 0.1)
+        self.seen += 1
+        return self.l2(h) + self.ema
+
+
+@pytest.mark.parametrize("level", ["O1", "autocast"])
+def test_buffer_updates_and_no_grad_blocks_are_not_lost(level: str) -> None:
+    torch.manual_seed(0)
+    model = EmaNoGrad()
+    reference = copy.deepcopy(model)
+    before = copy.deepcopy(model.state_dict())
+    converted = amp.auto_mixed_precision(model, level, "bf16")
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key  # converting ran nothing on real buffers
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        for net, opt in ((converted, optimizer), (reference, reference_opt)):
+            opt.zero_grad()
+            net(x).sum().backward()  # would fail twice if the no_grad block were lost
+            opt.step()
+    assert float(model.seen) == 3.0
+    torch.testing.assert_close(model.ema, reference.ema, rtol=2e-2, atol=2e-2)
+
+
+class MutateAfterLinear(nn.Module):
+    def __init__(self, inplace_act: bool) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=True)
+        self.inplace_act = inplace_act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        if self.inplace_act:
+            self.act(h)  # the result is dropped: h itself is relied on to change
+            return self.l2(h) + h
+        h.mul_(2.0)
+        return self.l2(h)
+
+
+@pytest.mark.parametrize("inplace_act", [False, True], ids=["mul_", "relu-inplace"])
+@pytest.mark.parametrize("level", ["O1", "autocast"])
+def test_in_place_writes_are_respected(level: str, inplace_act: bool) -> None:
+    torch.manual_seed(0)
+    model = MutateAfterLinear(inplace_act)
+    x = torch.randn(4, 8)
+    converted = amp.auto_mixed_precision(model, level, "bf16")
+    assert rel_error(converted(x).float(), model(x)) < BF16_TOL
+
+
+def test_an_argument_left_at_its_none_default() -> None:
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+            h = self.l1(x)
+            if mask is not None:
+                h = h.masked_fill(mask, 0.0)
+            return self.l2(h)
+
+    torch.manual_seed(0)
+    model = Masked()
+    x, mask = torch.randn(3, 8), torch.rand(3, 8) > 0.5
+    for level in ("O1", "autocast"):
+        converted = amp.auto_mixed_precision(model, level, "bf16")
+        assert rel_error(converted(x).float(), model(x)) < BF16_TOL
+        assert rel_error(converted(x, mask).float(), model(x, mask)) < BF16_TOL
+
+
+def test_transposed_weights_are_cast() -> None:
+    class TiedHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(20, 8)
+            self.ln = nn.LayerNorm(8)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.ln(self.wte(ids)) @ self.wte.weight.T
+
+    model = TiedHead()
+    ids = torch.randint(0, 20, (2, 5))
+    for level in ("O1", "autocast"):
+        converted = amp.auto_mixed_precision(model, level, "bf16")
+        out, counter = count_casts(converted, ids)
+        assert rel_error(out.float(), model(ids)) < BF16_TOL
+        assert counter.total == amp.explain(converted, ids).num_casts
+
+
+def test_dataclass_outputs_are_fp32() -> None:
+    from dataclasses import dataclass
+
+    @dataclass
+    class Out:
+        logits: torch.Tensor
+        hidden: torch.Tensor
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> Out:
+            h = self.fc(x)
+            return Out(logits=h * 2, hidden=h)
+
+    for level in ("O1", "O2", "O3"):
+        out = amp.auto_mixed_precision(Net(), level, "bf16")(torch.randn(2, 4))
+        assert isinstance(out, Out)
+        assert out.logits.dtype == out.hidden.dtype == torch.float32, level
+
+
+def test_recurrent_unit_tuple_output_is_cast_where_used() -> None:
+    class Seq(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gru = nn.GRU(8, 16, batch_first=True)
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out, _ = self.gru(x)
+            return self.head(out[:, -1])
+
+    torch.manual_seed(0)
+    model = Seq()
+    x = torch.randn(4, 6, 8)
+    converted = amp.auto_mixed_precision(model, "O1", "bf16")
+    out, counter = count_casts(converted, x)
+    assert counter.total == amp.explain(converted).num_casts
+    # input, 4 GRU weights, head weight and bias down; the result up; the hidden state is
+    # never cast, and the sequence reaches the head without a float32 round trip
+    assert counter.casts == {(torch.float32, torch.bfloat16): 7, (torch.bfloat16, torch.float32): 1}
+    assert rel_error(out, model(x)) < BF16_TOL

@@ -9,6 +9,7 @@ one Python call and no kernel.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -44,12 +45,22 @@ def cast(value: Any, dtype: torch.dtype | None) -> Any:
 
 def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
     """:func:`cast` every floating tensor in a nested structure (tuples, lists, dicts,
-    named tuples, and any type registered with ``torch.utils._pytree``)."""
+    named tuples, dataclasses, and any type registered with ``torch.utils._pytree``)."""
 
-    def one(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype) if t.dtype != dtype and is_castable(t) else t
+    def one(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.to(dtype) if leaf.dtype != dtype and is_castable(leaf) else leaf
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            # a dataclass pytree does not know: rebuild it with its fields cast
+            fields = {
+                f.name: cast_tree(getattr(leaf, f.name), dtype)
+                for f in dataclasses.fields(leaf)
+                if f.init
+            }
+            return dataclasses.replace(leaf, **fields)
+        return leaf
 
-    return pytree.tree_map_only(torch.Tensor, one, tree)
+    return pytree.tree_map(one, tree)
 
 
 def widest_dtype(*values: Any) -> torch.dtype | None:

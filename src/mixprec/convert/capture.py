@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.fx._symbolic_trace import _assert_is_none
+from torch.fx.proxy import TraceError
 
 from mixprec import ops
 
@@ -43,6 +44,9 @@ class CaptureTracer(fx.Tracer):
         leaf: Callable[[nn.Module, str], bool] | None = None,
     ) -> None:
         super().__init__(autowrap_functions=(ops.cast, ops.widest_dtype, *autowrap_functions))
+        # buffers become graph values: in-place updates of running statistics, counters and
+        # EMAs are recorded as ops instead of running on the real buffers while tracing
+        self.proxy_buffer_attributes = True
         self.leaf = leaf
         self.untraceable: dict[str, str] = {}
         self._proxy_cache: dict[str, fx.Proxy] | None = None
@@ -69,8 +73,11 @@ class CaptureTracer(fx.Tracer):
         last = _last_node(self.graph)
         stack = self.module_stack.copy()
         calls = dict(self.num_calls)
+        state = _attributes(m)
         try:
-            return super().call_module(m, forward, args, kwargs)
+            result = super().call_module(m, forward, args, kwargs)
+            _check_no_assignment(m, state)
+            return result
         except Exception as error:  # any failure to trace makes this module a leaf
             self._roll_back(last)
             self.module_stack.clear()
@@ -96,10 +103,63 @@ class CaptureTracer(fx.Tracer):
                 del self._proxy_cache[key]
 
 
+_State = tuple[dict[str, Any], dict[str, Any], dict[str, Any]]
+
+
+def _attributes(module: nn.Module) -> _State:
+    return dict(module._parameters), dict(module._buffers), dict(module.__dict__)
+
+
+def _check_no_assignment(module: nn.Module, state: _State) -> None:
+    """A forward that assigns to its own attributes (``self.count += 1``) cannot be a
+    graph: put the attributes back and refuse."""
+    parameters, buffers, attributes = state
+    changed = [
+        name
+        for now, before in ((module._parameters, parameters), (module._buffers, buffers))
+        for name in now
+        if now[name] is not before.get(name)
+    ]
+    changed += [
+        k
+        for k, v in module.__dict__.items()
+        if isinstance(v, fx.Proxy) and attributes.get(k) is not v
+    ]
+    if changed:
+        module._parameters.clear()
+        module._parameters.update(parameters)
+        module._buffers.clear()
+        module._buffers.update(buffers)
+        for key in [k for k in module.__dict__ if k not in attributes]:
+            del module.__dict__[key]
+        module.__dict__.update(
+            {k: v for k, v in attributes.items() if k not in ("_parameters", "_buffers")}
+        )
+        raise TraceError(f"forward assigns to self.{changed[0]}, which a graph cannot record")
+
+
 def _last_node(graph: fx.Graph) -> fx.Node | None:
     for node in reversed(graph.nodes):
         return node
     return None
+
+
+def _refuse_grad_mode(mode: bool) -> None:
+    raise TraceError(
+        "forward changes the grad mode (torch.no_grad / enable_grad), which a graph cannot record"
+    )
+
+
+@contextlib.contextmanager
+def _grad_mode_untraceable() -> Iterator[None]:
+    """While tracing, a ``with torch.no_grad():`` inside a forward makes that module
+    untraceable (it then runs its own code), instead of silently vanishing from the graph."""
+    original = torch._C._set_grad_enabled
+    torch._C._set_grad_enabled = _refuse_grad_mode  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled = original
 
 
 @contextlib.contextmanager
@@ -124,9 +184,8 @@ class Captured:
         graph: the graph.
         untraceable: ``{qualified_name: reason}`` for submodules kept as leaves because
             their forward could not be traced.
-        specialized: arguments of ``forward`` whose default is None and that the graph
-            was traced with as None (tracing them as tensors failed); a call that passes
-            one of them takes the run-time path instead.
+        specialized: arguments of ``forward`` whose default is None, which the graph was
+            traced with as None; a call that passes one of them takes the run-time path.
     """
 
     graph: fx.Graph
@@ -160,27 +219,23 @@ def capture(
 ) -> Captured:
     """Trace ``root`` (see :class:`Captured`).
 
-    When tracing fails with every argument a tensor, it is tried again with the
-    arguments that default to None fixed to None (``if mask is not None:`` is the usual
-    reason a forward cannot be traced).
+    Arguments that default to None are traced as None: a symbolic value would take every
+    ``if mask is not None:`` branch (or fail on it), so the graph is the one for calls that
+    leave them out, and calls that pass them run on the run-time path instead.
 
     Raises:
         Exception: whatever tracing ``root``'s own forward raised (the caller then handles
             the whole module at run time).
     """
     tracer = CaptureTracer(autowrap_functions, leaf)
-    with _no_transformer_fastpath():
-        try:
-            graph = tracer.trace(root)
-        except Exception:
-            concrete = _none_defaults(root)
-            if not concrete:
-                raise
-            tracer = CaptureTracer(autowrap_functions, leaf)
-            graph = tracer.trace(root, concrete_args=concrete)
-            _unguard(graph, root)
-            return Captured(_drop_string_annotations(graph), tracer.untraceable, tuple(concrete))
-    return Captured(_drop_string_annotations(graph), tracer.untraceable)
+    concrete = _none_defaults(root)
+    with _no_transformer_fastpath(), _grad_mode_untraceable():
+        state = _attributes(root)
+        graph = tracer.trace(root, concrete_args=concrete or None)
+        _check_no_assignment(root, state)
+    if concrete:
+        _unguard(graph, root)
+    return Captured(_drop_string_annotations(graph), tracer.untraceable, tuple(concrete))
 
 
 def _drop_string_annotations(graph: fx.Graph) -> fx.Graph:

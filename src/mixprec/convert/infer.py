@@ -85,6 +85,7 @@ _BOOL_OUT = frozenset(
 _FIRST_INPUT = frozenset(
     ("layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm", "local_response_norm")
 )
+_TENSOR_ATTRIBUTES = frozenset(("T", "mT", "H", "mH", "data", "real", "imag"))
 _INT_OUT = frozenset(("argmax", "argmin", "argsort", "nonzero", "bucketize", "searchsorted"))
 _FACTORIES = frozenset(
     (
@@ -204,6 +205,8 @@ def _infer_node(node: fx.Node, infos: dict[fx.Node, Info], root: nn.Module) -> I
     dtype_kw = node.kwargs.get("dtype")
     if isinstance(dtype_kw, torch.dtype):
         return Info("tensor", dtype_kw, exact=True)
+    if target is getattr and len(node.args) > 1 and node.args[1] in _TENSOR_ATTRIBUTES:
+        return inputs[0] if inputs else UNKNOWN  # x.T, x.mT, x.data: the same tensor's values
     if target is getattr or name in _NON_TENSOR:
         return OTHER
     if target is operator.getitem:

@@ -16,6 +16,7 @@ where they were inserted ("before" an op, "after" it, or at the "output").
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ from mixprec import ops
 from mixprec.convert.infer import Info
 from mixprec.levels import Level, Precision, Recipe
 
-__all__ = ["CAST_TAG", "PRECISION_TAG", "insert_casts", "is_helper"]
+__all__ = ["CAST_TAG", "PRECISION_TAG", "insert_casts", "is_helper", "is_mutation", "mutated"]
 
 CAST_TAG = "mixprec_cast"
 PRECISION_TAG = "mixprec_precision"
@@ -41,9 +42,35 @@ def is_helper(node: Any) -> bool:
     )
 
 
-def _is_inplace(node: fx.Node) -> bool:
-    name = ops.op_name(node.target) if node.op != "call_module" else ""
-    return name.endswith("_") and not name.endswith("__")
+def is_mutation(node: fx.Node) -> bool:
+    """Does this call write into its first argument (``x.add_(y)``, ``x += y``,
+    ``F.relu(x, inplace=True)``)?"""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = ops.op_name(node.target)
+    return (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True
+
+
+def mutated(node: fx.Node) -> bool:
+    """Is the value of ``node`` written into by one of its users?"""
+    return any(is_mutation(user) and user.args and user.args[0] is node for user in node.users)
+
+
+def _functionalize(graph: fx.Graph) -> None:
+    """``F.relu(x, inplace=True)`` becomes ``F.relu(x)`` where nothing reads ``x`` after it
+    (the usual ``out = self.relu(out)``), so it can be cast like any op; where the mutation
+    is observed, the call stays in place and is never cast."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in graph.nodes:
+        if (
+            node.kwargs.get("inplace") is not True
+            or not node.args
+            or not isinstance(node.args[0], fx.Node)
+        ):
+            continue
+        target = node.args[0]
+        if all(order[user] <= order[node] for user in target.users):
+            node.kwargs = {**node.kwargs, "inplace": False}
 
 
 def _cast_before(
@@ -62,6 +89,11 @@ def _cast_before(
 
 
 def _cast_after(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> None:
+    users = list(node.users)
+    if users and all(u.op == "call_function" and u.target is operator.getitem for u in users):
+        for user in users:  # a tuple result (a recurrent unit's): cast the parts that are used
+            _cast_after(graph, user, dtype)
+        return
     with graph.inserting_after(node):
         cast = graph.call_function(ops.cast, (node, dtype))
     cast.meta[CAST_TAG] = "after"
@@ -84,11 +116,12 @@ def insert_casts(
         infos: static dtype facts about the nodes (see :mod:`mixprec.convert.infer`).
         output_dtype: cast the graph's floating outputs to this (None: leave them).
     """
+    _functionalize(graph)
     for node in list(graph.nodes):
         if node.op not in ("call_function", "call_method", "call_module") or is_helper(node):
             continue
         precision = Precision.FOLLOW
-        if infos.get(node, Info("unknown")).kind != "other" and not _is_inplace(node):
+        if infos.get(node, Info("unknown")).kind != "other" and not is_mutation(node):
             precision = decide(node)
         node.meta[PRECISION_TAG] = precision
         if precision is Precision.LOW:

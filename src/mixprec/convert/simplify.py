@@ -26,7 +26,7 @@ from torch import fx, nn
 
 from mixprec import ops
 from mixprec.convert.infer import Info, infer
-from mixprec.convert.insert import CAST_TAG, is_helper
+from mixprec.convert.insert import CAST_TAG, is_helper, mutated
 
 __all__ = ["VALUE_PRESERVING", "count_casts", "simplify"]
 
@@ -87,7 +87,12 @@ def _fold(graph: fx.Graph, infos: dict[fx.Node, Info]) -> bool:
         if not _is_cast(node):
             continue
         source, dtype = node.args[0], node.args[1]
-        if _is_cast(source) and source.args[1] == torch.float32 and isinstance(dtype, torch.dtype):
+        if (
+            _is_cast(source)
+            and source.args[1] == torch.float32
+            and isinstance(dtype, torch.dtype)
+            and not _written(source, source.args[0])
+        ):
             node.args = (source.args[0], dtype)
             source = node.args[0]
             changed = True
@@ -98,6 +103,12 @@ def _fold(graph: fx.Graph, infos: dict[fx.Node, Info]) -> bool:
             _bypass(node, source)
             changed = True
     return changed
+
+
+def _written(*nodes: object) -> bool:
+    """Is any of these values written in place somewhere? Then its casts stay where they are:
+    moving, merging or skipping one would read the value before or after the write."""
+    return any(isinstance(n, fx.Node) and mutated(n) for n in nodes)
 
 
 def _moves_only(node: fx.Node, cast: fx.Node, infos: dict[fx.Node, Info]) -> bool:
@@ -132,8 +143,10 @@ def _sink(graph: fx.Graph, infos: dict[fx.Node, Info]) -> bool:
         info = infos.get(source)
         if info is None or not info.exact or not info.castable or info.dtype == torch.float32:
             continue
+        if _written(cast, source):
+            continue
         for user in list(cast.users):
-            if not _moves_only(user, cast, infos):
+            if not _moves_only(user, cast, infos) or _written(user):
                 continue
             user.replace_input_with(cast, source)
             with graph.inserting_after(user):
@@ -152,6 +165,8 @@ def _dedupe_and_sweep(graph: fx.Graph) -> bool:
         if not _is_cast(node):
             continue
         key = (node.args[0], node.args[1])
+        if _written(node, node.args[0]):
+            continue
         if key in seen:
             _bypass(node, seen[key])
             changed = True
