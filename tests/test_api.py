@@ -225,3 +225,20 @@ def test_explain_with_a_low_precision_input() -> None:
     _, counter = count_casts(converted, x)
     assert amp.explain(converted).num_casts == counter.total + 1  # the default assumes float32
     assert amp.explain(converted, x).num_casts == counter.total
+
+
+def test_more_option_errors() -> None:
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(
+        ValueError,
+        match=r"cast_model_type must be torch.float32 \('fp32', 'float32'\) or a low-precision dtype .*; got 'int8'",
+    ):
+        amp.build_train_network(model, optimizer, level="O2", cast_model_type="int8")
+    with pytest.raises(TypeError, match="accumulation_steps must be a positive int; got '2'"):
+        amp.build_train_network(model, optimizer, accumulation_steps="2")
+    with pytest.raises(
+        ValueError,
+        match=r"fp32_modules names 'zzz', which is not a module of the network; its modules are 'net', 'net.0'",
+    ):
+        amp.auto_mixed_precision(model, "O1", fp32_modules=["zzz"])

@@ -52,6 +52,18 @@ def _option(kwargs: Mapping[str, Any], key: str, default: Any) -> Any:
     return default if value is None else value
 
 
+def _parse_cast_model_type(value: object) -> torch.dtype:
+    if value in (torch.float32, "fp32", "float32"):
+        return torch.float32
+    try:
+        return resolve_dtype(value)
+    except ValueError:
+        raise ValueError(
+            "cast_model_type must be torch.float32 ('fp32', 'float32') or a low-precision dtype "
+            f"(torch.bfloat16, torch.float16, 'bf16', 'fp16', ...); got {value!r}"
+        ) from None
+
+
 def _resolve(
     network: nn.Module, level: Level, kwargs: Mapping[str, Any], distributed: bool
 ) -> TrainConfig:
@@ -69,9 +81,7 @@ def _resolve(
     cast_model_type = torch.float32
     if kwargs.get("cast_model_type") is not None:
         given = kwargs["cast_model_type"]
-        cast_model_type = (
-            torch.float32 if given in (torch.float32, "fp32", "float32") else resolve_dtype(given)
-        )
+        cast_model_type = _parse_cast_model_type(given)
         if cast_model_type != torch.float32 and (not module_level or cast_model_type != low):
             raise ValueError(
                 f"cast_model_type={given!r} does not fit level {level.value!r} with dtype {low}: "
@@ -93,7 +103,9 @@ def _resolve(
             + (" because DistributedDataParallel reduces them" if distributed else "")
         )
     steps = _option(kwargs, "accumulation_steps", 1)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"accumulation_steps must be a positive int; got {steps!r}")
+    if steps < 1:
         raise ValueError(f"accumulation_steps must be a positive int; got {steps!r}")
     clip = kwargs.get("clip_grad_norm")
     if clip is not None and (

@@ -84,7 +84,12 @@ def _pin(argument: str, pins: Pins, network: nn.Module) -> ModulePin | None:
             raise TypeError(f"{argument} must hold qualified module names (str); got {path!r}")
         if path not in names:
             close = difflib.get_close_matches(path, list(names), n=3)
-            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            if close:
+                hint = f"; did you mean {', '.join(map(repr, close))}?"
+            else:
+                shown = [n for n in names if n][:8]
+                more = ", ..." if len(names) - 1 > len(shown) else ""
+                hint = f"; its modules are {', '.join(map(repr, shown))}{more}"
             raise ValueError(
                 f"{argument} names {path!r}, which is not a module of the network{hint}"
             )
