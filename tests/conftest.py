@@ -1,4 +1,56 @@
+"""Shared fixtures. ``cpu_kind`` runs a test once per kind of CPU the project meets."""
+
+from __future__ import annotations
+
 import sys
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+from mixprec import dtypes, hardware  # noqa: E402
+
+#: A CPU with bfloat16 dot products (Sapphire Rapids: avx512_bf16 and AMX).
+NATIVE_BF16 = hardware.CpuFeatures(
+    arch="x86_64",
+    capability="AVX512",
+    avx2=True,
+    avx512=True,
+    avx512_bf16=True,
+    amx_tile=True,
+    amx_fp16=False,
+    arm_bf16=False,
+    onednn_bf16=True,
+    onednn_fp16=True,
+)
+#: An AVX2-only CPU (no AVX-512, no AMX): bfloat16 is emulated, ~250x slower than float32.
+AVX2_ONLY = replace(
+    NATIVE_BF16,
+    capability="AVX2",
+    avx512=False,
+    avx512_bf16=False,
+    amx_tile=False,
+    onednn_bf16=False,
+    onednn_fp16=False,
+)
+#: Skylake / Cascade Lake servers: AVX-512 but no bfloat16 instructions.
+AVX512_NO_BF16 = replace(NATIVE_BF16, avx512_bf16=False, amx_tile=False)
+
+CPU_KINDS = {"native-bf16": NATIVE_BF16, "avx2-only": AVX2_ONLY}
+
+
+def fake_cpu(monkeypatch: pytest.MonkeyPatch, features: hardware.CpuFeatures) -> None:
+    """Make the hardware probe describe ``features`` (and forget earlier warnings)."""
+    monkeypatch.setattr(hardware, "cpu_features", lambda: features)
+    dtypes._warn_slow_once.cache_clear()
+
+
+@pytest.fixture(params=sorted(CPU_KINDS))
+def cpu_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Run the test once with a native-bf16 CPU and once with an AVX2-only one."""
+    fake_cpu(monkeypatch, CPU_KINDS[request.param])
+    yield request.param
+    dtypes._warn_slow_once.cache_clear()

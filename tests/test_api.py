@@ -180,17 +180,16 @@ def test_explain_errors() -> None:
         amp.explain("model")  # type: ignore[arg-type]
 
 
-def test_auto_level_converts_to_o2_on_a_bf16_cpu() -> None:
-    from mixprec import dtypes
-
+def test_auto_level_follows_the_probe(cpu_kind: str) -> None:
     model = MLP()
-    if dtypes.has_native_low_precision("cpu"):
+    if cpu_kind == "native-bf16":
         converted = amp.auto_mixed_precision(model, "auto")
         assert amp.explain(converted).level == "O2"
         assert amp.explain(converted).dtype == "bfloat16"
     else:
-        with pytest.warns(UserWarning, match="chose O0"):
+        with pytest.warns(UserWarning, match="chose O0") as record:
             assert amp.auto_mixed_precision(model, "auto") is model
+        assert record[0].filename == __file__  # the user's line, not mixprec's
 
 
 def test_scaler_validation_messages() -> None:

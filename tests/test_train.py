@@ -402,19 +402,21 @@ def test_checkpoint_mid_accumulation_is_refused() -> None:
 # ---------------------------------------------------------------------- auto level
 
 
-def test_auto_level_on_this_cpu_and_without_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_level_follows_the_probe(cpu_kind: str) -> None:
     model = _model()
-    step = amp.build_train_network(model, torch.optim.SGD(model.parameters(), lr=0.1), level="auto")
-    native = dtypes.has_native_low_precision("cpu")
-    assert step.level is (amp.Level.O2 if native else amp.Level.O0)
-    if native:
-        assert step.dtype == torch.bfloat16
-        assert "level=O2 (O2 bfloat16 on a CPU with native bfloat16)" in repr(step)
-    monkeypatch.setattr(dtypes, "_cpu_bf16_supported", lambda: False)
-    with pytest.warns(UserWarning, match="chose O0"):
+    if cpu_kind == "native-bf16":
         step = amp.build_train_network(
             model, torch.optim.SGD(model.parameters(), lr=0.1), level="auto"
         )
+        assert step.level is amp.Level.O2
+        assert step.dtype == torch.bfloat16
+        assert "level=O2 (O2 bfloat16 on a CPU with native bfloat16)" in repr(step)
+        return
+    with pytest.warns(UserWarning, match="chose O0") as record:
+        step = amp.build_train_network(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), level="auto"
+        )
+    assert record[0].filename == __file__  # the user's line, not mixprec's
     assert step.level is amp.Level.O0
     assert "level=O0 (O0: cpu has no native low-precision matmul" in repr(step)
 

@@ -11,13 +11,18 @@ import functools
 
 import torch
 
+from mixprec._warn import warn
+from mixprec.hardware import cpu_features, is_native
+
 __all__ = [
     "LOW_DTYPES",
     "default_low_dtype",
     "device_of",
+    "dtype_name",
     "has_native_low_precision",
     "is_castable",
     "resolve_dtype",
+    "warn_if_slow",
 ]
 
 #: The low-precision floating types mixprec computes in.
@@ -65,26 +70,50 @@ def resolve_dtype(dtype: object, device: torch.device | str | None = None) -> to
 def default_low_dtype(device: torch.device | str | None = None) -> torch.dtype:
     """The usual low-precision type of a device.
 
-    bfloat16 on CPU; on CUDA bfloat16 where the GPU supports it, else float16.
+    bfloat16 on CPU; on CUDA bfloat16 where the GPU runs it natively, else float16.
     """
     dev = torch.device("cpu" if device is None else device)
-    if dev.type == "cuda":
-        return torch.bfloat16 if _cuda_bf16_supported() else torch.float16
+    if dev.type == "cuda" and not is_native(torch.bfloat16, dev):
+        return torch.float16
     return torch.bfloat16
 
 
 def has_native_low_precision(device: torch.device | str | None = None) -> bool:
     """Whether ``device`` runs :func:`default_low_dtype` matmuls natively (fast).
 
-    On CPU this asks oneDNN whether the processor has bfloat16 instructions
-    (avx512_bf16 / AMX); on CUDA every GPU qualifies (float16 at least).
+    See :mod:`mixprec.hardware` for what counts as native on each device.
+    """
+    return is_native(default_low_dtype(device), device)
+
+
+def warn_if_slow(dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+    """Warn, once per process, device and dtype, when ``device`` runs ``dtype`` slowly.
+
+    The warning names the slowdown and points at ``auto``; it is attributed to the
+    user's line.
     """
     dev = torch.device("cpu" if device is None else device)
-    if dev.type == "cuda":
-        return True
-    if dev.type == "cpu":
-        return _cpu_bf16_supported()
-    return False
+    if not is_native(dtype, dev):
+        _warn_slow_once(dev, dtype)
+
+
+@functools.cache
+def _warn_slow_once(device: torch.device, dtype: torch.dtype) -> None:
+    name = dtype_name(dtype)
+    if device.type == "cpu":
+        features = cpu_features()
+        isa = "avx512_bf16/AMX" if dtype == torch.bfloat16 else "AMX-FP16"
+        why = (
+            f"this CPU ({features.capability}) has no native {name} matmul (no {isa} "
+            "that oneDNN may use): PyTorch runs it far slower than float32 (bfloat16 on an "
+            "AVX2-only CPU: about 250x)"
+        )
+    else:
+        why = f"{device} has no native {name} matmul"
+    warn(
+        f"mixprec: computing in {name} on {device.type}, but {why}. "
+        "Level 'auto' picks what this device runs fast; `mixprec doctor` measures it."
+    )
 
 
 def device_of(module: torch.nn.Module) -> torch.device:
@@ -101,14 +130,6 @@ def is_castable(x: object) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
 
 
-@functools.cache
-def _cpu_bf16_supported() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN
-        return False
-
-
-@functools.cache
-def _cuda_bf16_supported() -> bool:
-    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``; None (no dtype) -> ``"-"``."""
+    return "-" if dtype is None else str(dtype).removeprefix("torch.")

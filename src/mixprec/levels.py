@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -19,7 +18,8 @@ import torch
 from torch import nn
 
 from mixprec import lists
-from mixprec.dtypes import default_low_dtype, has_native_low_precision
+from mixprec._warn import warn
+from mixprec.dtypes import default_low_dtype, dtype_name, has_native_low_precision
 from mixprec.ops import op_key
 
 __all__ = ["Level", "ModulePin", "Precision", "Recipe", "recommend"]
@@ -158,7 +158,7 @@ class Recipe:
         return isinstance(module, self.black_modules)
 
     def describe(self) -> str:
-        return f"level={self.level.value}, dtype={str(self.dtype).removeprefix('torch.')}"
+        return f"level={self.level.value}, dtype={dtype_name(self.dtype)}"
 
 
 def function_keys(functions: Iterable[Callable[..., object]]) -> frozenset[OpKey]:
@@ -209,26 +209,33 @@ def make_recipe(
 
 
 def recommend(
-    device: torch.device, dtype: torch.dtype | None
+    device: torch.device, dtype: torch.dtype | None, *, quiet: bool = False
 ) -> tuple[Level, torch.dtype | None, str]:
     """The ``auto`` level: what mixprec recommends for a model on ``device``.
 
     A GPU: O2 (bfloat16 where supported, else float16 with dynamic loss scaling); a CPU
     with native bfloat16: O2 bfloat16; any other CPU: O0, with a warning. An explicit
-    ``dtype`` is respected (O2 in that dtype).
+    ``dtype`` is respected (O2 in that dtype). What counts as native is
+    :func:`mixprec.hardware.is_native`'s answer.
+
+    Args:
+        device: where the model lives.
+        dtype: the user's explicit low dtype, or None.
+        quiet: do not warn when the answer is O0 (``mixprec doctor`` only reports).
 
     Returns:
         ``(level, dtype or None for O0, reason)``.
     """
     if dtype is not None:
-        return Level.O2, dtype, f"O2 in the requested {str(dtype).removeprefix('torch.')}"
+        return Level.O2, dtype, f"O2 in the requested {dtype_name(dtype)}"
     if device.type == "cuda":
         low = default_low_dtype(device)
-        return Level.O2, low, f"O2 {str(low).removeprefix('torch.')} on a CUDA GPU"
+        return Level.O2, low, f"O2 {dtype_name(low)} on a CUDA GPU"
     if device.type == "cpu" and has_native_low_precision(device):
         return Level.O2, torch.bfloat16, "O2 bfloat16 on a CPU with native bfloat16"
     reason = (
         f"O0: {device.type} has no native low-precision matmul, so mixed precision would be slower"
     )
-    warnings.warn(f"mixprec level 'auto' chose {reason}", stacklevel=3)
+    if not quiet:
+        warn(f"mixprec level 'auto' chose {reason}")
     return Level.O0, None, reason

@@ -36,7 +36,7 @@ def _x(value: float) -> str:
 
 def results_table(results: Sequence[Result], settings: BenchSettings) -> Table:
     """One row per (model, variant)."""
-    dtype = str(settings.dtype).removeprefix("torch.")
+    dtype = dtype_name(settings.dtype)
     table = Table(
         title=f"mixprec bench ({dtype}): median ms, speedups t(reference) / t(variant)",
         caption=(
@@ -91,7 +91,7 @@ def bench_dict(
 ) -> dict[str, Any]:
     """Everything as a JSON-ready dict: machine, settings, models, results and goals."""
     chosen = asdict(settings)
-    chosen["dtype"] = str(settings.dtype).removeprefix("torch.")
+    chosen["dtype"] = dtype_name(settings.dtype)
     return {
         "machine": dict(machine),
         "settings": chosen,

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.dtypes import resolve_dtype
+from mixprec.dtypes import dtype_name, resolve_dtype
 from mixprec.levels import Level
 
 __all__ = ["InputSpec", "PlanError", "load_factory", "parse_input", "run_plan"]
@@ -158,7 +158,7 @@ def _run(model: nn.Module, inputs: Sequence[torch.Tensor], what: str, specs: str
 
 def _shapes(output: Any) -> str:
     if isinstance(output, torch.Tensor):
-        return f"{tuple(output.shape)} {str(output.dtype).removeprefix('torch.')}"
+        return f"{tuple(output.shape)} {dtype_name(output.dtype)}"
     if isinstance(output, (tuple, list)):
         return "(" + ", ".join(_shapes(o) for o in output) + ")"
     if isinstance(output, dict):

@@ -19,7 +19,7 @@ from mixprec import lists
 from mixprec.convert.graph import convert_graph
 from mixprec.convert.module_level import convert_module_level
 from mixprec.convert.structure import find_converted
-from mixprec.dtypes import device_of, resolve_dtype
+from mixprec.dtypes import device_of, dtype_name, resolve_dtype, warn_if_slow
 from mixprec.levels import Level, ModulePin, PathPin, Recipe, make_recipe, recommend
 
 __all__ = ["auto_mixed_precision", "custom_mixed_precision", "get_black_list", "get_white_list"]
@@ -152,7 +152,10 @@ def auto_mixed_precision(
 
 
 def convert(network: nn.Module, recipe: Recipe) -> nn.Module:
-    """Convert ``network`` by an already-built recipe."""
+    """Convert ``network`` by an already-built recipe (warns once per process when the
+    device runs the recipe's dtype slowly)."""
+    if recipe.level is not Level.O0:
+        warn_if_slow(recipe.dtype, device_of(network))
     if recipe.level in (Level.O2, Level.O3):
         return convert_module_level(network, recipe)
     if recipe.level in (Level.O1, Level.AUTOCAST):
@@ -225,7 +228,7 @@ def custom_mixed_precision(
             logger.warning(
                 "black_list leaves out built-in black-list entries %s: they will run in %s",
                 ", ".join(left_out),
-                str(low).removeprefix("torch."),
+                dtype_name(low),
             )
         recipe = make_recipe(
             Level.O2, low, device, black_list=items, low_pin=low_pin, fp32_pin=fp32_pin

@@ -18,14 +18,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from mixprec.convert.structure import conversion_of
-from mixprec.dtypes import is_castable
+from mixprec.dtypes import dtype_name, is_castable
 from mixprec.levels import Recipe
 
 __all__ = ["CastPlan", "Conversion", "PlanRow", "explain"]
-
-
-def dtype_name(dtype: torch.dtype | None) -> str:
-    return "-" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)

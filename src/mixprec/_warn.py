@@ -1,0 +1,38 @@
+"""Warnings that point at the user's line.
+
+Every warning mixprec raises goes through :func:`warn`, which attributes it to the first
+stack frame outside mixprec and torch: the user's call of ``auto_mixed_precision``,
+``build_train_network``, or the model call whose hook warned, whichever entry point
+that was.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+__all__ = ["warn"]
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep
+    for path in (__file__, torch.__file__)
+)
+
+
+def _stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside mixprec and torch, as seen from
+    :func:`warn`'s call of ``warnings.warn``."""
+    frame = sys._getframe(1)  # warn() itself is stacklevel 1
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the user's line."""
+    warnings.warn(message, category, stacklevel=_stacklevel())
