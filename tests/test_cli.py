@@ -9,6 +9,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ import torch
 from torch import nn
 
 import mixprec
+from conftest import AVX2_ONLY, NATIVE_BF16, fake_cpu
 from mixprec.cli import main
 from mixprec.cli.bench import VARIANTS
 from mixprec.cli.bench_report import BENCH_COLUMNS
@@ -32,14 +36,22 @@ ALL_RUNS = "O0,O1,O2,O3,autocast,auto,O2-fp16"
 
 
 # ---------------------------------------------------------------------------- demo
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path]:
-    """One tiny demo over every run (6 steps each), shared by the demo tests."""
-    out = tmp_path_factory.mktemp("demo")
+def _run_demo(out: Path, *argv: str) -> tuple[int, str]:
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
-        code = main(["demo", "--steps-limit", "6", "--levels", ALL_RUNS, "--out", str(out)])
-    return code, buffer.getvalue(), out
+        code = main(["demo", "--out", str(out), *argv])
+    return code, buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path]:
+    """One tiny demo over every run (6 steps each) on a native-bf16 CPU, shared by the
+    demo tests."""
+    out = tmp_path_factory.mktemp("demo")
+    with pytest.MonkeyPatch.context() as patch:
+        fake_cpu(patch, NATIVE_BF16)
+        code, text = _run_demo(out, "--steps-limit", "6", "--levels", ALL_RUNS)
+    return code, text, out
 
 
 def test_demo_runs_and_prints_every_column(demo_run: tuple[int, str, Path]) -> None:
@@ -47,8 +59,27 @@ def test_demo_runs_and_prints_every_column(demo_run: tuple[int, str, Path]) -> N
     assert code == 0
     for column in COLUMNS:
         assert column in text, column
-    for row in ("O0", "O1", "O2", "O3", "autocast", "auto -> O2", "O2 fp16 + dynamic scaling"):
-        assert f"│ {row} " in text, row
+    for row in ("O0", "O1", "O2", "O3", "autocast", "auto -> O2", "O2-fp16"):
+        assert re.search(rf"^{re.escape(row)} ", text, re.MULTILINE), row
+
+
+def test_demo_output_fits_100_columns(demo_run: tuple[int, str, Path]) -> None:
+    lines = demo_run[1].splitlines()
+    assert len(lines) > 8
+    too_wide = [line for line in lines if len(line) > 100 and not line.startswith("wrote ")]
+    assert not too_wide, too_wide
+
+
+def test_demo_auto_row_on_a_cpu_without_native_bf16(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake_cpu(monkeypatch, AVX2_ONLY)
+    with pytest.warns(UserWarning, match="chose O0"):
+        code, text = _run_demo(tmp_path, "--steps-limit", "2", "--levels", "auto")
+    assert code == 0
+    assert re.search(r"^auto -> O0 +float32 ", text, re.MULTILINE), text
+    rows = json.loads((tmp_path / JSON_NAME).read_text())
+    assert [(row["name"], row["level"], row["casts"]) for row in rows] == [("auto", "O0", 0)]
 
 
 def test_demo_rows_report_dtypes_and_loss_scale(demo_run: tuple[int, str, Path]) -> None:
@@ -58,7 +89,7 @@ def test_demo_rows_report_dtypes_and_loss_scale(demo_run: tuple[int, str, Path])
     assert by_name["O0"]["casts"] == 0
     assert by_name["O2"]["dtype"] == "bfloat16"
     assert by_name["auto"]["level"] == "O2"
-    fp16 = by_name["O2 fp16 + dynamic scaling"]
+    fp16 = by_name["O2-fp16"]
     assert fp16["dtype"] == "float16"
     assert fp16["loss_scale"] >= 1
     assert all(row["steps"] == 6 for row in rows)
@@ -338,3 +369,56 @@ def test_saved_bytes_counts_each_storage_once_and_skips_parameters() -> None:
     with SavedBytes() as everything:
         layer(x)
     assert everything.total == 32 + 64
+
+
+# -------------------------------------------------------------------------- doctor
+def test_doctor_json_names_every_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["torch"] == torch.__version__
+    cpu = report["devices"][0]
+    assert cpu["device"] == "cpu"
+    assert set(cpu["gemm"]) == {"float32", "bfloat16", "float16"}
+    assert all(result["gflops"] > 0 for result in cpu["gemm"].values())
+    assert set(cpu["native"]) == {"bfloat16", "float16"}
+    assert cpu["features"]["capability"] == str(torch.backends.cpu.get_cpu_capability())
+    assert cpu["recommended"]["level"] in ("O0", "O2")
+
+
+def test_doctor_text_per_cpu_kind(cpu_kind: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--no-measure"]) == 0
+    text = capsys.readouterr().out
+    assert max(len(line) for line in text.splitlines()) <= 100
+    if cpu_kind == "native-bf16":
+        assert "native: bfloat16 yes, float16 no" in text
+        assert "recommended: level 'O2', dtype bfloat16\n" in text
+    else:
+        assert "native: bfloat16 no, float16 no" in text
+        assert "recommended: level 'O0', dtype -\n    why: O0: cpu has no native" in text
+
+
+def test_cli_starts_with_the_core_install() -> None:
+    """plan and doctor work without the demo extra; demo and bench name it."""
+    script = textwrap.dedent(
+        """
+        import sys
+        for name in ("rich", "sklearn", "matplotlib"):
+            sys.modules[name] = None  # import fails, as when the package is missing
+        from mixprec.cli import main
+        assert main(["doctor", "--no-measure"]) == 0
+        assert main(["plan", "mixprec.cli.models:lenet5", "--input", "1,1,32,32"]) == 0
+        assert main(["demo"]) == 2
+        assert main(["bench", "--quick"]) == 2
+        assert not any(m.startswith(("rich", "sklearn", "matplotlib"))
+                       for m, v in sys.modules.items() if v is not None)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "recommended: level" in done.stdout
+    assert "cast plan: level O1" in done.stdout
+    expected = "needs the 'demo' extra (missing: rich, scikit-learn, matplotlib); install it with"
+    assert f"mixprec demo: error: {expected}" in done.stderr
+    assert "mixprec bench: error: needs the 'demo' extra (missing: rich)" in done.stderr

@@ -10,10 +10,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import AVX2_ONLY, AVX512_NO_BF16, NATIVE_BF16, fake_cpu
-from helpers import MLP
 
 import mixprec as amp
+from conftest import AVX2_ONLY, AVX512_NO_BF16, NATIVE_BF16, fake_cpu
+from helpers import MLP
 from mixprec import dtypes, hardware
 from mixprec.levels import Level, recommend
 

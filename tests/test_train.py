@@ -14,7 +14,6 @@ from torch import nn
 
 import mixprec as amp
 from helpers import MLP, SmallCNN, TinyTransformer
-from mixprec import dtypes
 
 LEVELS = ["O0", "O1", "O2", "O3", "autocast"]
 

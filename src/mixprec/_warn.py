@@ -11,21 +11,21 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import FrameType
 
 import torch
 
 __all__ = ["warn"]
 
 _LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(path)) + os.sep
-    for path in (__file__, torch.__file__)
+    os.path.dirname(os.path.abspath(path)) + os.sep for path in (__file__, torch.__file__)
 )
 
 
 def _stacklevel() -> int:
     """The ``stacklevel`` of the first frame outside mixprec and torch, as seen from
     :func:`warn`'s call of ``warnings.warn``."""
-    frame = sys._getframe(1)  # warn() itself is stacklevel 1
+    frame: FrameType | None = sys._getframe(1)  # warn() itself is stacklevel 1
     level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         frame = frame.f_back

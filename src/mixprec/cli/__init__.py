@@ -1,9 +1,11 @@
-"""The ``mixprec`` command: ``demo``, ``plan`` and ``bench``.
+"""The ``mixprec`` command: ``demo``, ``plan``, ``bench`` and ``doctor``.
 
 ``main(argv)`` parses the arguments (argparse), runs one subcommand and returns the exit
 status: 0 on success, 2 for a usage error (a bad flag, path, shape, level, ...), with a
 one-line message on stderr. The subcommands live in their own modules:
-:mod:`mixprec.cli.demo`, :mod:`mixprec.cli.plan` and :mod:`mixprec.cli.bench`.
+:mod:`mixprec.cli.demo`, :mod:`mixprec.cli.plan`, :mod:`mixprec.cli.bench` and
+:mod:`mixprec.cli.doctor`. ``plan`` and ``doctor`` need only torch; ``demo`` and ``bench``
+need the ``demo`` extra (rich, scikit-learn, matplotlib) and say so when it is missing.
 
 Example:
     >>> from mixprec.cli import main
@@ -14,19 +16,30 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from rich.console import Console
+from mixprec.cli.demo_config import LEVEL_CHOICES, DemoConfig
 
-from mixprec.cli.demo import LEVEL_CHOICES, DemoConfig
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["build_parser", "main", "make_console"]
 
 _DEMO_HELP = "train LeNet-5 on scikit-learn's digits at every level; print a table, write a PNG"
 _PLAN_HELP = "print the cast plan of a model from a factory MODULE:CALLABLE"
 _BENCH_HELP = "time mixprec's levels against torch.autocast and pure low precision"
+_DOCTOR_HELP = (
+    "what this machine runs natively (measured matmul speed per dtype) and the level to use"
+)
+#: What each command needs beyond torch: (import name, package name).
+_EXTRAS = {
+    "demo": (("rich", "rich"), ("sklearn", "scikit-learn"), ("matplotlib", "matplotlib")),
+    "bench": (("rich", "rich"),),
+}
 
 
 class UsageError(ValueError):
@@ -87,18 +100,42 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=None, help="timed rounds (default 15)")
     bench.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 3)")
     bench.add_argument("--dtype", default="bf16", help="low dtype: bf16 or fp16 (default bf16)")
+
+    doctor = commands.add_parser("doctor", help=_DOCTOR_HELP, description=_DOCTOR_HELP)
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument(
+        "--no-measure", action="store_true", help="skip the timed matmuls (probes only)"
+    )
     return parser
 
 
-def make_console() -> Console:
-    """A rich console on stdout; wide enough for every column when stdout is not a terminal."""
+def make_console(width: int = 100) -> Console:
+    """A rich console on stdout, ``width`` columns wide when stdout is not a terminal."""
+    from rich.console import Console
+
     console = Console(file=sys.stdout)
-    if not console.is_terminal:  # a pipe, a file, a test: wide enough for every column
-        console = Console(file=sys.stdout, width=320)
+    if not console.is_terminal:  # a pipe, a file, a test
+        console = Console(file=sys.stdout, width=width)
     return console
 
 
+def _require_extra(command: str) -> None:
+    missing = [package for module, package in _EXTRAS[command] if not _importable(module)]
+    if missing:
+        raise UsageError(
+            f"needs the 'demo' extra (missing: {', '.join(missing)}); "
+            "install it with: pip install 'mixprec[demo]'"
+        )
+
+
+def _importable(module: str) -> bool:
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
+
+
 def _demo(args: argparse.Namespace) -> int:
+    _require_extra("demo")
     from mixprec.cli.demo import config_from_args, run_demo
 
     try:
@@ -120,6 +157,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    _require_extra("bench")
+    from rich.console import Console
+
     from mixprec.cli.bench import run_bench, settings_from_args
     from mixprec.cli.bench_report import bench_dict, goals_table, results_table
     from mixprec.cli.measure import machine_info
@@ -134,7 +174,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(bench_dict(results, settings, described, machine), indent=2))
         return 0
-    console = make_console()
+    console = make_console(width=200)  # one row per model and variant, a dozen columns
     console.print(
         f"machine: {machine['cpu']}, {machine['cores']} cores, "
         f"{machine['torch_threads']} torch threads, torch {machine['torch']}"
@@ -143,6 +183,13 @@ def _bench(args: argparse.Namespace) -> int:
         console.print(f"  {name}: {text}")
     console.print(results_table(results, settings))
     console.print(goals_table(results))
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from mixprec.cli.doctor import run_doctor
+
+    print(run_doctor(args.json, measure=not args.no_measure))
     return 0
 
 
@@ -157,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help (0) or an argparse usage error (2)
         return exit_.code if isinstance(exit_.code, int) else 2
-    handlers = {"demo": _demo, "plan": _plan, "bench": _bench}
+    handlers = {"demo": _demo, "plan": _plan, "bench": _bench, "doctor": _doctor}
     try:
         return handlers[args.command](args)
     except UsageError as error:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -24,46 +25,39 @@ from torch import nn
 
 import mixprec
 from mixprec.cli.data import Digits, batch_order, load_digits
+from mixprec.cli.demo_config import LEVEL_CHOICES, DemoConfig, config_from_args, parse_levels
 from mixprec.cli.measure import CastCounter, SavedBytes, format_bytes, median_ms
 from mixprec.cli.models import lenet5
-from mixprec.dtypes import resolve_dtype
 
-__all__ = ["COLUMNS", "DemoConfig", "RunResult", "RunSpec", "parse_levels", "run_demo"]
+__all__ = [
+    "COLUMNS",
+    "LEVEL_CHOICES",
+    "DemoConfig",
+    "RunResult",
+    "RunSpec",
+    "config_from_args",
+    "parse_levels",
+    "run_demo",
+]
 
-#: The runs ``--levels`` can name, in the order the table shows them.
-LEVEL_CHOICES: tuple[str, ...] = ("O0", "O1", "O2", "O3", "autocast", "auto", "O2-fp16")
 #: The table's column headers.
 COLUMNS: tuple[str, ...] = (
     "level",
     "dtype",
-    "test accuracy",
-    "final loss",
-    "step time (median)",
-    "time vs O0",
-    "saved for backward / step",
-    "casts / forward",
-    "skipped steps",
-    "loss scale",
+    "accuracy",
+    "loss",
+    "ms/step",
+    "vs O0",
+    "saved/step",
+    "casts",
+    "skipped",
+    "scale",
 )
 PNG_NAME = "mixprec-demo.png"
 JSON_NAME = "mixprec-demo.json"
 #: Points of test accuracy every level should be within of O0's.
 TOLERANCE = 0.5
 _WARMUP_STEPS = 5
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """The demo's settings (the command line's flags, parsed)."""
-
-    levels: tuple[str, ...] = LEVEL_CHOICES
-    dtype: torch.dtype = torch.bfloat16
-    epochs: int = 16
-    batch_size: int = 32
-    lr: float = 2e-3
-    seed: int = 0
-    out: Path = Path("mixprec-demo")
-    steps_limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,29 +89,13 @@ class RunResult:
     scales: list[float] = field(default_factory=list, repr=False)
 
 
-def parse_levels(text: str) -> tuple[str, ...]:
-    """``"O0,o2,auto"`` -> ``("O0", "O2", "auto")``; unknown names are a ValueError."""
-    by_key = {choice.lower(): choice for choice in LEVEL_CHOICES}
-    chosen: list[str] = []
-    for part in text.split(","):
-        key = part.strip().lower()
-        if key not in by_key:
-            raise ValueError(
-                f"--levels names {part.strip()!r}, which is not a level; "
-                f"choose from {', '.join(LEVEL_CHOICES)}"
-            )
-        if by_key[key] not in chosen:
-            chosen.append(by_key[key])
-    return tuple(chosen)
-
-
 def _spec(name: str, dtype: torch.dtype) -> RunSpec:
     if name == "O0":
         return RunSpec("O0", "O0", None)
     if name == "auto":  # the recommendation chooses its own dtype
         return RunSpec("auto", "auto", None)
     if name == "O2-fp16":
-        return RunSpec("O2 fp16 + dynamic scaling", "O2", torch.float16, fp16_scaling=True)
+        return RunSpec("O2-fp16", "O2", torch.float16, fp16_scaling=True)
     return RunSpec(name, name, dtype)
 
 
@@ -208,21 +186,25 @@ def train_one(
 
 
 def _table(results: Sequence[RunResult]) -> Table:
-    table = Table(title="mixprec demo: LeNet-5 on scikit-learn digits")
+    table = Table(
+        title="mixprec demo: LeNet-5 on scikit-learn digits",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        show_edge=False,
+        pad_edge=False,
+    )
     for index, column in enumerate(COLUMNS):
-        table.add_column(column, justify="left" if index < 2 else "right")
+        table.add_column(column, justify="left" if index < 2 else "right", no_wrap=True)
     base = next((r.step_ms for r in results if r.name == "O0"), None)
     for r in results:
-        name = (
-            r.name if r.name in (r.level, "O2 fp16 + dynamic scaling") else f"{r.name} -> {r.level}"
-        )
+        name = r.name if r.name in (r.level, "O2-fp16") else f"{r.name} -> {r.level}"
         ratio = f"{r.step_ms / base:.2f}x" if base else "-"
         table.add_row(
             name,
             r.dtype,
             f"{r.accuracy:.2f}%",
             f"{r.final_loss:.4f}",
-            f"{r.step_ms:.2f} ms",
+            f"{r.step_ms:.2f}",
             ratio,
             format_bytes(r.saved_bytes),
             str(r.casts),
@@ -326,29 +308,3 @@ def _summary(results: Sequence[RunResult]) -> str:
     else:
         notes.insert(0, f"every level within {TOLERANCE} points of O0's {base.accuracy:.2f}%")
     return "\n".join(notes)
-
-
-def config_from_args(args: Any) -> DemoConfig:
-    """A :class:`DemoConfig` from the parsed command line (validating each flag)."""
-    for name in ("epochs", "batch_size"):
-        value = getattr(args, name)
-        if value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {value!r}")
-    if args.steps_limit is not None and args.steps_limit < 1:
-        raise ValueError(f"--steps-limit must be >= 1; got {args.steps_limit!r}")
-    if not args.lr > 0:
-        raise ValueError(f"--lr must be > 0; got {args.lr!r}")
-    try:
-        dtype = resolve_dtype(args.dtype)
-    except ValueError as error:
-        raise ValueError(f"--dtype: {error}") from error
-    return DemoConfig(
-        levels=parse_levels(args.levels),
-        dtype=dtype,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        seed=args.seed,
-        out=Path(args.out),
-        steps_limit=args.steps_limit,
-    )

@@ -13,7 +13,6 @@ import inspect
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
 import torch.utils._pytree as pytree
 from torch import nn
 

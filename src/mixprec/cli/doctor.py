@@ -1,0 +1,173 @@
+"""``mixprec doctor``: what this machine runs natively, measured, and the level to use.
+
+It reports the torch version, the CPU (architecture, the vector ISA PyTorch's kernels
+use, the bfloat16/float16 instructions and whether oneDNN may use them), each CUDA
+device with its compute capability, a short timed matrix multiply per dtype (GFLOP/s),
+and the ``auto`` recommendation with its reason. It needs only torch and takes a few
+seconds: each GEMM grows from 64x64 until one call takes a few milliseconds, so a dtype
+that runs at 0.2 GFLOP/s (bfloat16 on an AVX2-only CPU) costs no more than a fast one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from mixprec.dtypes import dtype_name
+from mixprec.hardware import cpu_features, is_native
+from mixprec.levels import recommend
+
+__all__ = ["diagnose", "gemm_gflops", "render"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def gemm_gflops(
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    *,
+    budget_s: float = 0.25,
+    max_size: int = 1024,
+) -> dict[str, float]:
+    """Throughput of an ``n x n @ n x n`` matmul in ``dtype``, in GFLOP/s.
+
+    ``n`` doubles from 64 until one call takes at least 1/20 of ``budget_s`` (or reaches
+    ``max_size``); then calls repeat for about ``budget_s`` and the median is reported.
+
+    Returns:
+        ``{"gflops": ..., "size": n}``.
+    """
+    dev = torch.device(device)
+
+    def timed(a: torch.Tensor, b: torch.Tensor) -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - start
+
+    size = 64
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    while True:
+        a = torch.randn(size, size, generator=generator).to(dev, dtype)
+        b = torch.randn(size, size, generator=generator).to(dev, dtype)
+        timed(a, b)  # warm-up: kernel selection, allocation
+        once = timed(a, b)
+        if once >= budget_s / 20 or size >= max_size:
+            break
+        size *= 2
+    times = [once]
+    deadline = time.perf_counter() + budget_s
+    while time.perf_counter() < deadline and len(times) < 200:
+        times.append(timed(a, b))
+    seconds = statistics.median(times)
+    return {"gflops": 2 * size**3 / seconds / 1e9, "size": float(size)}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def diagnose(*, measure: bool = True, budget_s: float = 0.25) -> dict[str, Any]:
+    """Everything ``mixprec doctor`` reports, as a JSON-ready dict."""
+    features = cpu_features()
+    devices: list[dict[str, Any]] = []
+    cpu: dict[str, Any] = {
+        "name": _cpu_name(),
+        "cores": torch.get_num_threads(),
+        "features": dataclasses.asdict(features),
+    }
+    targets: list[tuple[str, torch.device, dict[str, Any]]] = [("cpu", torch.device("cpu"), cpu)]
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(index)
+            info = {
+                "name": torch.cuda.get_device_name(index),
+                "capability": f"{major}.{minor}",
+            }
+            targets.append((f"cuda:{index}", torch.device("cuda", index), info))
+    for name, device, info in targets:
+        native = {dtype_name(d): is_native(d, device) for d in _DTYPES[1:]}
+        gemm = (
+            {dtype_name(d): gemm_gflops(d, device, budget_s=budget_s) for d in _DTYPES}
+            if measure
+            else {}
+        )
+        level, low, reason = recommend(device, None, quiet=True)
+        devices.append(
+            {
+                "device": name,
+                **info,
+                "native": native,
+                "gemm": gemm,
+                "recommended": {"level": level.value, "dtype": dtype_name(low), "reason": reason},
+            }
+        )
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "devices": devices,
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report as plain text (under 100 columns)."""
+    lines = [f"torch {report['torch']}, Python {report['python']}, {report['platform']}"]
+    for device in report["devices"]:
+        lines.append("")
+        if device["device"] == "cpu":
+            f = device["features"]
+            lines.append(f"cpu: {device['name']} ({device['cores']} threads, {f['arch']})")
+            flags = [
+                name
+                for name in ("avx2", "avx512", "avx512_bf16", "amx_tile", "amx_fp16", "arm_bf16")
+                if f[name]
+            ]
+            lines.append(f"  PyTorch kernels: {f['capability']}; ISA: {', '.join(flags) or '-'}")
+            lines.append(
+                f"  oneDNN may use bfloat16: {_yes(f['onednn_bf16'])}, "
+                f"float16: {_yes(f['onednn_fp16'])}"
+            )
+        else:
+            lines.append(f"{device['device']}: {device['name']} (compute {device['capability']})")
+        native = ", ".join(f"{name} {_yes(ok)}" for name, ok in device["native"].items())
+        lines.append(f"  native: {native}")
+        gemm = device["gemm"]
+        if gemm:
+            base = gemm["float32"]["gflops"]
+            for name, result in gemm.items():
+                lines.append(
+                    f"  matmul {name:<9} {result['gflops']:9.1f} GFLOP/s "
+                    f"({result['gflops'] / base:6.2f}x float32, n={int(result['size'])})"
+                )
+        rec = device["recommended"]
+        lines.append(
+            f"  recommended: level {rec['level']!r}, dtype {rec['dtype']}: {rec['reason']}"
+        )
+    return "\n".join(lines)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def run_doctor(as_json: bool, measure: bool = True) -> str:
+    """The text ``mixprec doctor`` prints."""
+    report = diagnose(measure=measure)
+    return json.dumps(report, indent=2) if as_json else render(report)
