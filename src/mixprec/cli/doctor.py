@@ -157,9 +157,8 @@ def render(report: dict[str, Any]) -> str:
                     f"({result['gflops'] / base:6.2f}x float32, n={int(result['size'])})"
                 )
         rec = device["recommended"]
-        lines.append(
-            f"  recommended: level {rec['level']!r}, dtype {rec['dtype']}: {rec['reason']}"
-        )
+        lines.append(f"  recommended: level {rec['level']!r}, dtype {rec['dtype']}")
+        lines.append(f"    why: {rec['reason']}")
     return "\n".join(lines)
 
 
