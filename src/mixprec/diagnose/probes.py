@@ -234,7 +234,7 @@ def preserved(network: nn.Module) -> Iterator[None]:
         ...     model.train()(x)  # BatchNorm statistics are as they were afterwards
     """
     saved = [
-        (module, name, tensor, tensor.detach().clone(), _version(tensor))
+        (module, name, tensor, tensor.detach().clone())
         for module in network.modules()
         for name, tensor in module._buffers.items()
         if tensor is not None
@@ -246,15 +246,10 @@ def preserved(network: nn.Module) -> Iterator[None]:
             yield
         finally:
             with torch.no_grad():
-                for module, name, tensor, copy, version in saved:
+                for module, name, tensor, copy in saved:
                     if module._buffers.get(name) is not tensor:
                         module._buffers[name] = tensor
-                    if _version(tensor) != version:
-                        tensor.copy_(copy)
+                    # always: kernels such as batch_norm write running statistics
+                    # without bumping the version counter
+                    tensor.copy_(copy)
 
-
-def _version(tensor: torch.Tensor) -> int:
-    try:
-        return int(tensor._version)
-    except RuntimeError:  # inference tensors have no version counter
-        return -1
