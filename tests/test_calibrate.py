@@ -37,9 +37,12 @@ def test_pins_exactly_the_sensitive_layer_and_meets_the_tolerance() -> None:
     model = sensitive_model()
     x, held = torch.randn(4, 8), torch.randn(4, 8)
     net, report = mixprec.calibrate(model, x, dtype="fp16", tolerance=1e-2, holdout=[held])
-    assert report.pins == ("2",) and report.low_pins == ()
-    assert report.met and report.error_after <= 1e-2 < report.error_before
-    assert report.modules[0].path == "2" and report.modules[0].pinned
+    assert report.pins == ("2",)
+    assert report.low_pins == ()
+    assert report.met
+    assert report.error_after <= 1e-2 < report.error_before
+    assert report.modules[0].path == "2"
+    assert report.modules[0].pinned
     assert [m.path for m in report.modules if m.pinned] == ["2"]
 
     with torch.no_grad():  # measured here, independently of the report
@@ -47,9 +50,11 @@ def test_pins_exactly_the_sensitive_layer_and_meets_the_tolerance() -> None:
         assert rel_error(net(held), model(held)) <= 1e-2
         plain = mixprec.auto_mixed_precision(model, "O2", "fp16")
         assert rel_error(plain(x), model(x)) > 1e-2
-    assert report.holdout_error is not None and report.holdout_error <= 1e-2
+    assert report.holdout_error is not None
+    assert report.holdout_error <= 1e-2
     rows = {(r.path, r.dtype, r.note) for r in mixprec.explain(net).rows}
-    assert ("2", "float32", "island") in rows and ("3", "float16", "weights") in rows
+    assert ("2", "float32", "island") in rows
+    assert ("3", "float16", "weights") in rows
     assert net(x).dtype == torch.float32
 
 
@@ -65,7 +70,8 @@ def test_a_container_and_its_child_become_one_pin() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), Wrapped(), nn.Linear(16, 4))
     _, report = mixprec.calibrate(model, torch.randn(4, 8), dtype="fp16", tolerance=1e-2)
-    assert report.pins == ("1",) and report.met
+    assert report.pins == ("1",)
+    assert report.met
     assert {m.path for m in report.modules if m.pinned} == {"1", "1.fc"}
 
 
@@ -73,7 +79,8 @@ def test_unreachable_tolerance_warns_and_returns_the_best() -> None:
     model = sensitive_model()
     with pytest.warns(UserWarning, match="no set of float32 pins meets tolerance 1e-09"):
         net, report = mixprec.calibrate(model, torch.randn(4, 8), dtype="bf16", tolerance=1e-9)
-    assert not report.met and report.error_after < report.error_before
+    assert not report.met
+    assert report.error_after < report.error_before
     assert report.error_after > 1e-9
     assert "NOT met" in str(report)
     assert isinstance(mixprec.explain(net), mixprec.CastPlan)
@@ -91,7 +98,8 @@ def test_custom_metric_and_batches() -> None:
     _, report = mixprec.calibrate(
         model, dtype="fp16", tolerance=0.05, batches=batches, metric=max_abs
     )
-    assert report.met and report.pins == ("2",)
+    assert report.met
+    assert report.pins == ("2",)
     assert {tuple(s) for s in calls} == {(2, 4), (3, 4)}
 
 
@@ -109,11 +117,14 @@ def test_transformers_model_meets_its_tolerance() -> None:
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16)
     model = transformers.GPT2LMHeadModel(config).eval()
-    ids, held = (torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    ids, held = (
+        torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(s)) for s in (1, 2)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         net, report = mixprec.calibrate(model, ids, dtype="bf16", tolerance=3e-3, holdout=[held])
-    assert report.met and report.error_after <= 3e-3
+    assert report.met
+    assert report.error_after <= 3e-3
     with torch.no_grad():
         assert relative_error(net(ids), model(ids)) == pytest.approx(report.error_after, rel=1e-6)
 

@@ -79,11 +79,13 @@ X = torch.linspace(-2, 2, 12).reshape(3, 4)
 def test_inf_from_a_zero_buffer_is_the_models_own_code() -> None:
     torch.manual_seed(0)
     report = mixprec.find_overflow(DivZero(), X, level="O2", dtype="fp16")
-    assert report.found and report.forward is not None
+    assert report.found
+    assert report.forward is not None
     assert report.forward.module == ""  # made by DivZero.forward itself, between fc1 and fc2
     assert report.forward.seen_at == "input of fc2"
     assert report.forward.kind == "inf"
-    assert report.fix.kind is FixKind.NOT_PRECISION and report.fix.verified
+    assert report.fix.kind is FixKind.NOT_PRECISION
+    assert report.fix.verified
     assert "fc1.weight" in report.nonfinite_params
 
 
@@ -102,7 +104,9 @@ def test_clean_model_reports_nothing() -> None:
     torch.manual_seed(0)
     report = mixprec.find_overflow(MLP(), torch.randn(3, 16), level="O2", dtype="fp16")
     assert not report.found
-    assert report.forward is None and report.backward is None and report.nonfinite_params == ()
+    assert report.forward is None
+    assert report.backward is None
+    assert report.nonfinite_params == ()
     assert report.fix.kind is FixKind.NONE
     assert str(report).endswith("every module output, gradient and the loss are finite")
     assert json.loads(json.dumps(report.to_dict()))["found"] is False
@@ -121,7 +125,8 @@ def test_fp16_overflow_in_the_middle_of_a_transformers_model() -> None:
     assert culprit.module == "encoder.layer.0.intermediate.dense"
     assert (culprit.kind, culprit.dtype, culprit.limit) == ("inf", "float16", 65504.0)
     assert 0 < culprit.largest_before < culprit.limit
-    assert report.fix.kind is FixKind.FP32_MODULE and report.fix.verified
+    assert report.fix.kind is FixKind.FP32_MODULE
+    assert report.fix.verified
     assert report.fix.module is not None
     assert "encoder.layer.0.intermediate.dense".startswith(report.fix.module)
     assert f"fp32_modules=[{report.fix.module!r}]" in report.fix.text
@@ -136,13 +141,17 @@ def test_backward_only_overflow_names_the_largest_finite_loss_scale() -> None:
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(3, 16)
     report = mixprec.find_overflow(model, x, level="O2", dtype="fp16", loss_scale=2.0**24)
-    assert report.forward is None and report.backward is not None
-    assert report.fix.kind is FixKind.LOWER_LOSS_SCALE and report.scale_backoff
+    assert report.forward is None
+    assert report.backward is not None
+    assert report.fix.kind is FixKind.LOWER_LOSS_SCALE
+    assert report.scale_backoff
     scale = report.fix.loss_scale
-    assert scale is not None and scale < 2.0**24
+    assert scale is not None
+    assert scale < 2.0**24
     finite = mixprec.find_overflow(model, x, level="O2", dtype="fp16", loss_scale=scale)
     above = mixprec.find_overflow(model, x, level="O2", dtype="fp16", loss_scale=2 * scale)
-    assert not finite.found and above.found
+    assert not finite.found
+    assert above.found
 
 
 def test_loss_fn_and_target_are_used() -> None:
@@ -156,7 +165,8 @@ def test_loss_fn_and_target_are_used() -> None:
     target = torch.zeros(3, 8, dtype=torch.float16)
     report = mixprec.find_overflow(MLP(), torch.randn(3, 16), loss_fn=loss_fn, target=target)
     assert seen == [(torch.float32, torch.float32)]
-    assert report.loss is not None and report.loss > 0
+    assert report.loss is not None
+    assert report.loss > 0
 
 
 def test_leaves_no_trace_rng_buffers_grads_hooks() -> None:
@@ -176,7 +186,8 @@ def test_leaves_no_trace_rng_buffers_grads_hooks() -> None:
     for name, buffer in model.named_buffers():
         assert torch.equal(buffer, stats[name]), name
     for name, param in model.named_parameters():
-        assert param.grad is grads[name][0] and torch.equal(param.grad, grads[name][1]), name
+        assert param.grad is grads[name][0], name
+        assert torch.equal(param.grad, grads[name][1]), name
     assert [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()] == hooks
 
 
@@ -210,11 +221,13 @@ def test_skipped_step_probe_keeps_the_step_outcome() -> None:
 
     report = probe_skipped_step(net, (x,), {}, nn.MSELoss(), y, loss_scale=2.0**24)
     assert (report.level, report.dtype, report.loss_scale) == ("O2", "float16", 2.0**24)
-    assert report.scale_backoff and report.fix.verified
+    assert report.scale_backoff
+    assert report.fix.verified
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(b, stats[n]) for n, b in net.named_buffers())
     for name, param in net.named_parameters():
-        assert param.grad is grads[name][0] and torch.equal(param.grad, grads[name][1]), name
+        assert param.grad is grads[name][0], name
+        assert torch.equal(param.grad, grads[name][1]), name
 
 
 def test_debugger_summarises_backoffs_and_warns_on_real_overflows() -> None:
@@ -226,14 +239,17 @@ def test_debugger_summarises_backoffs_and_warns_on_real_overflows() -> None:
         warnings.simplefilter("always")
         debugger.after_skip(net, (x,), {}, nn.MSELoss(), y, loss_scale=2.0**24)
         debugger.after_skip(net, (x,), {}, nn.MSELoss(), y, loss_scale=2.0**23)
-    assert len(caught) == 1 and "counted, not reported one by one" in str(caught[0].message)
+    assert len(caught) == 1
+    assert "counted, not reported one by one" in str(caught[0].message)
     assert (debugger.skips, debugger.backoffs) == (2, 2)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = debugger.after_skip(net, (x * 1e6,), {}, nn.MSELoss(), y, loss_scale=1.0)
-    assert debugger.last_report is report and report.module is not None
-    assert len(caught) == 1 and f"at {report.module}" in str(caught[0].message)
+    assert debugger.last_report is report
+    assert report.module is not None
+    assert len(caught) == 1
+    assert f"at {report.module}" in str(caught[0].message)
     assert debugger.summary().startswith("3 skipped steps probed: 2 loss-scale back-offs")
 
 

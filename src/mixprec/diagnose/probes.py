@@ -252,4 +252,3 @@ def preserved(network: nn.Module) -> Iterator[None]:
                     # always: kernels such as batch_norm write running statistics
                     # without bumping the version counter
                     tensor.copy_(copy)
-
