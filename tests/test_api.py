@@ -16,22 +16,28 @@ from mixprec.dtypes import resolve_dtype
 from mixprec.ops import op_key, op_name
 
 PUBLIC = {
+    "CalibrationReport",
     "CastPlan",
     "DynamicLossScaleManager",
     "DynamicLossScaler",
     "FixedLossScaleManager",
     "Level",
     "LossScaleManager",
+    "LintReport",
     "LossScaler",
+    "OverflowReport",
     "StaticLossScaler",
     "TrainStep",
     "all_finite",
     "auto_mixed_precision",
     "build_train_network",
+    "calibrate",
     "custom_mixed_precision",
     "explain",
+    "find_overflow",
     "get_black_list",
     "get_white_list",
+    "lint",
 }
 
 

@@ -407,6 +407,7 @@ def test_cli_starts_with_the_core_install() -> None:
         from mixprec.cli import main
         assert main(["doctor", "--no-measure"]) == 0
         assert main(["plan", "mixprec.cli.models:lenet5", "--input", "1,1,32,32"]) == 0
+        assert main(["lint", "mixprec.cli.models:lenet5", "--dtype", "fp16"]) == 0
         assert main(["demo"]) == 2
         assert main(["bench", "--quick"]) == 2
         assert not any(m.startswith(("rich", "sklearn", "matplotlib"))
@@ -422,3 +423,13 @@ def test_cli_starts_with_the_core_install() -> None:
     expected = "needs the 'demo' extra (missing: rich, scikit-learn, matplotlib); install it with"
     assert f"mixprec demo: error: {expected}" in done.stderr
     assert "mixprec bench: error: needs the 'demo' extra (missing: rich)" in done.stderr
+
+
+def test_diagnose_commands_run_through_main(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["find-overflow", "mixprec.cli.models:lenet5", "--input", "2,1,32,32", "--level", "O2"]
+    assert main([*argv, "--dtype", "bf16"]) == 0
+    assert "every module output, gradient and the loss are finite" in capsys.readouterr().out
+    assert main(["lint", "mixprec.cli.models:nowhere"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mixprec lint: error: ")
+    assert err.count("\n") == 1

@@ -13,6 +13,14 @@ from mixprec.convert.api import (
     get_white_list,
 )
 from mixprec.convert.plan import CastPlan, explain
+from mixprec.diagnose import (
+    CalibrationReport,
+    LintReport,
+    OverflowReport,
+    calibrate,
+    find_overflow,
+    lint,
+)
 from mixprec.grads import all_finite
 from mixprec.levels import Level
 from mixprec.scaling import (
@@ -26,22 +34,28 @@ from mixprec.scaling import (
 from mixprec.train import TrainStep
 
 __all__ = [
+    "CalibrationReport",
     "CastPlan",
     "DynamicLossScaleManager",
     "DynamicLossScaler",
     "FixedLossScaleManager",
     "Level",
+    "LintReport",
     "LossScaleManager",
     "LossScaler",
+    "OverflowReport",
     "StaticLossScaler",
     "TrainStep",
     "all_finite",
     "auto_mixed_precision",
     "build_train_network",
+    "calibrate",
     "custom_mixed_precision",
     "explain",
+    "find_overflow",
     "get_black_list",
     "get_white_list",
+    "lint",
 ]
 
 __version__ = "0.1.0"

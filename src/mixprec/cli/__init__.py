@@ -1,4 +1,4 @@
-"""The ``mixprec`` command: ``demo``, ``plan``, ``bench`` and ``doctor``.
+"""The ``mixprec`` command: ``demo``, ``plan``, ``bench``, ``doctor``, ``find-overflow``, ``lint``.
 
 ``main(argv)`` parses the arguments (argparse), runs one subcommand and returns the exit
 status: 0 on success, 2 for a usage error (a bad flag, path, shape, level, ...), with a
@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mixprec.cli.demo_config import LEVEL_CHOICES, DemoConfig
+from mixprec.cli.diagnose import add_commands as add_diagnose_commands
+from mixprec.cli.plan import PlanError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -106,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--no-measure", action="store_true", help="skip the timed matmuls (probes only)"
     )
+    add_diagnose_commands(commands)  # find-overflow, lint
     return parser
 
 
@@ -147,7 +150,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from mixprec.cli.plan import PlanError, run_plan
+    from mixprec.cli.plan import run_plan
 
     try:
         run_plan(args.model, args.input, args.level, args.dtype, args.json)
@@ -186,6 +189,13 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _diagnose(args: argparse.Namespace) -> int:
+    try:
+        return int(args.handler(args))
+    except PlanError as error:
+        raise UsageError(str(error)) from error
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from mixprec.cli.doctor import run_doctor
 
@@ -206,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     handlers = {"demo": _demo, "plan": _plan, "bench": _bench, "doctor": _doctor}
     try:
-        return handlers[args.command](args)
+        return handlers.get(args.command, _diagnose)(args)
     except UsageError as error:
         print(f"mixprec {args.command}: error: {error}", file=sys.stderr)
         return 2

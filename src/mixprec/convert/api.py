@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -103,6 +104,7 @@ def auto_mixed_precision(
     *,
     fp32_modules: Pins = None,
     low_modules: Pins = None,
+    lint: bool = False,
 ) -> nn.Module:
     """Convert a model to a mixed-precision level.
 
@@ -117,6 +119,8 @@ def auto_mixed_precision(
         fp32_modules: modules to keep in float32 whatever the lists say: qualified names
             or a filter ``(module, qualified_name) -> bool``.
         low_modules: modules to run in low precision whatever the lists say.
+        lint: run :func:`mixprec.lint` on the model at this level and warn about each
+            finding (constants and norm eps that do not fit the dtype).
 
     Returns:
         The converted model (the network itself for O0). O1 and autocast give a
@@ -148,7 +152,17 @@ def auto_mixed_precision(
         low_pin=_pin("low_modules", low_modules, network),
         fp32_pin=_pin("fp32_modules", fp32_modules, network),
     )
+    if lint:
+        _warn_lint(network, recipe, fp32_modules)
     return convert(network, recipe)
+
+
+def _warn_lint(network: nn.Module, recipe: Recipe, fp32_modules: Pins) -> None:
+    from mixprec.diagnose.lint import lint
+
+    report = lint(network, level=recipe.level, dtype=recipe.dtype, fp32_modules=fp32_modules)
+    for finding in report:
+        warnings.warn(f"mixprec lint: {finding}", stacklevel=3)
 
 
 def convert(network: nn.Module, recipe: Recipe) -> nn.Module:
