@@ -21,7 +21,8 @@ from rich.table import Table
 import mixprec
 from mixprec.cli import make_console
 from mixprec.cli.bench import MIXPREC_LEVELS, cases
-from mixprec.cli.measure import CastCounter, machine_info
+from mixprec.cli.measure import machine_info
+from mixprec.inspect import CastCounter
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.cli.measure import CastCounter
+from mixprec.inspect import CastCounter
 
 
 def count_casts(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, CastCounter]:

@@ -27,9 +27,9 @@ from mixprec.cli.bench import VARIANTS
 from mixprec.cli.bench_report import BENCH_COLUMNS
 from mixprec.cli.data import batch_order, load_digits
 from mixprec.cli.demo import COLUMNS, JSON_NAME, PNG_NAME, parse_levels
-from mixprec.cli.measure import CastCounter, SavedBytes
 from mixprec.cli.models import lenet5
 from mixprec.cli.plan import InputSpec, PlanError, parse_input
+from mixprec.inspect import CastCounter, SavedBytes
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ALL_RUNS = "O0,O1,O2,O3,autocast,auto,O2-fp16"

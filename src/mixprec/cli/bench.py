@@ -31,8 +31,9 @@ from torch import nn
 
 import mixprec
 from mixprec.cli import models
-from mixprec.cli.measure import CastCounter, SavedBytes, median_ms
+from mixprec.cli.measure import median_ms
 from mixprec.dtypes import resolve_dtype
+from mixprec.inspect import CastCounter, SavedBytes
 
 __all__ = ["BenchSettings", "Case", "Result", "cases", "run_bench", "settings_from_args"]
 

@@ -26,8 +26,9 @@ from torch import nn
 import mixprec
 from mixprec.cli.data import Digits, batch_order, load_digits
 from mixprec.cli.demo_config import LEVEL_CHOICES, DemoConfig, config_from_args, parse_levels
-from mixprec.cli.measure import CastCounter, SavedBytes, format_bytes, median_ms
+from mixprec.cli.measure import format_bytes, median_ms
 from mixprec.cli.models import lenet5
+from mixprec.inspect import CastCounter, SavedBytes
 
 __all__ = [
     "COLUMNS",
