@@ -1,31 +1,60 @@
-"""Levels, and the recipe a level and a dtype become.
+"""What a level means: the policy a level, a dtype, lists and pins become.
 
-A :class:`Recipe` is everything a conversion needs to know, frozen: the level, the low
-dtype, the lists (as module classes and op keys) and the user's pins. Its
-:meth:`Recipe.decide` is the one place that says which precision an op or module runs in;
-the graph rewrite, the run-time policy for untraceable code and the module-level
-conversion all ask it.
+:func:`resolve` is the one function that turns the user's arguments (a network, a level
+string, a dtype spelling, custom lists, pins, ``keep_batchnorm_fp32``) into a frozen
+:class:`Recipe`; ``auto_mixed_precision``, ``custom_mixed_precision``,
+``build_train_network``, ``lint``, ``find_overflow`` and the command line all call it, so
+``auto``, the default dtype and the validation of lists and pins happen in one place.
+
+A :class:`Recipe` is everything a conversion needs to know: the level, the compute,
+parameter and output dtypes, the lists (as module classes and op keys) and the user's
+pins. Its :meth:`Recipe.decide` is the one place that says which precision an op or
+module runs in; the graph rewrite, the run-time policy for untraceable code and the
+module-level conversion all ask it.
+
+The levels, in one table (parameters stay float32 and are cast at use at every level):
+
+===========  ==========================================  =====================  =========
+level        low precision                               float32                outputs
+===========  ==========================================  =====================  =========
+O0           nothing                                     everything             as is
+O1           white-list modules and functions             everything else        float32
+O2           every module                                black-list modules     float32
+O3           everything                                  nothing                float32
+autocast     ``torch.autocast``'s lower-precision ops     its float32 ops        as computed
+auto         O2 where the device runs the dtype natively, else O0 (a warning)
+===========  ==========================================  =====================  =========
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec import lists
 from mixprec._warn import warn
-from mixprec.dtypes import default_low_dtype, dtype_name, has_native_low_precision
+from mixprec.dtypes import (
+    default_low_dtype,
+    device_of,
+    dtype_name,
+    has_native_low_precision,
+    resolve_dtype,
+)
 from mixprec.ops import op_key
 
-__all__ = ["Level", "ModulePin", "Precision", "Recipe", "recommend"]
+__all__ = ["Level", "ModulePin", "Pins", "Precision", "Recipe", "recommend", "resolve"]
 
 #: A pin: ``(module, qualified_name) -> bool``.
 ModulePin = Callable[[nn.Module, str], bool]
+#: What users pass as pins: qualified module names, or a filter.
+Pins = Iterable[str] | ModulePin | None
 OpKey = str | Callable[..., object]
 
 
@@ -105,6 +134,22 @@ class Recipe:
     low_pin: ModulePin | None = None
     fp32_pin: ModulePin | None = None
     leaf_functions: tuple[Callable[..., object], ...] = field(default=())
+    reason: str = ""
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What the level computes in where it computes low (float32 at O0)."""
+        return torch.float32 if self.level is Level.O0 else self.dtype
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The stored Parameters' dtype: float32 at every level (cast at use)."""
+        return torch.float32
+
+    @property
+    def output_dtype(self) -> torch.dtype | None:
+        """float32 for O1-O3; None (as computed) for O0 and the AUTOCAST level."""
+        return torch.float32 if self.casts_outputs_to_fp32 else None
 
     @property
     def casts_outputs_to_fp32(self) -> bool:
@@ -158,7 +203,7 @@ class Recipe:
         return isinstance(module, self.black_modules)
 
     def describe(self) -> str:
-        return f"level={self.level.value}, dtype={dtype_name(self.dtype)}"
+        return f"level={self.level.value}, dtype={dtype_name(self.compute_dtype)}"
 
 
 def function_keys(functions: Iterable[Callable[..., object]]) -> frozenset[OpKey]:
@@ -239,3 +284,139 @@ def recommend(
     if not quiet:
         warn(f"mixprec level 'auto' chose {reason}")
     return Level.O0, None, reason
+
+
+@dataclass(frozen=True)
+class ClassPin:
+    """Pins the modules of the given classes (a picklable pin)."""
+
+    classes: tuple[type[nn.Module], ...]
+
+    def __call__(self, module: nn.Module, name: str) -> bool:
+        return isinstance(module, self.classes)
+
+
+def resolve(
+    network: nn.Module,
+    level: str | Level = "O0",
+    dtype: torch.dtype | str | None = None,
+    *,
+    white_list: Sequence[type[nn.Module] | Callable[..., object]] | None = None,
+    black_list: Sequence[type[nn.Module]] | None = None,
+    fp32_modules: Pins = None,
+    low_modules: Pins = None,
+    keep_batchnorm_fp32: bool | None = None,
+    argument: str = "amp_level",
+) -> Recipe:
+    """The policy for ``network``: every user argument parsed and validated, once.
+
+    Args:
+        network: the model (its device decides ``auto`` and the default dtype; its module
+            names check the pins).
+        level: ``"O0"``-``"O3"``, ``"autocast"``, ``"auto"`` or a :class:`Level`.
+        dtype: a low-precision dtype or spelling; None for the device's usual one.
+        white_list: a custom O1 list (module classes and functions), or None.
+        black_list: a custom O2 list (module classes), or None.
+        fp32_modules / low_modules: pins, qualified names or a ``(module, name)`` filter.
+        keep_batchnorm_fp32: the training step's switch: None leaves the level's lists as
+            they are; True keeps the norms in float32 at every level (O2 by its black
+            list, others by a pin); False at O2 empties the black list.
+        argument: the name of the level argument in error messages.
+
+    Returns:
+        The :class:`Recipe`; ``level`` is never ``AUTO`` (``reason`` says what ``auto``
+        chose and why) and is ``O0`` when nothing converts.
+
+    Raises:
+        ValueError: an unknown level or dtype; a pin naming no module.
+        TypeError: a malformed pin.
+    """
+    parsed = Level.parse(level, argument)
+    low = None if dtype is None else resolve_dtype(dtype)
+    device = device_of(network)
+    reason = ""
+    if parsed is Level.AUTO:
+        parsed, low, reason = recommend(device, low)
+    if low is None:
+        low = resolve_dtype(None, device)
+    low_pin = _pin("low_modules", low_modules, network)
+    fp32_pin = _pin("fp32_modules", fp32_modules, network)
+    if keep_batchnorm_fp32 is not None and parsed is not Level.O0:
+        if parsed is Level.O2:
+            if black_list is None and not keep_batchnorm_fp32:
+                black_list = []
+        elif keep_batchnorm_fp32:
+            fp32_pin = _either(fp32_pin, ClassPin(lists.BLACK_MODULES))
+    recipe = make_recipe(
+        parsed,
+        low,
+        device,
+        white_list=white_list,
+        black_list=black_list,
+        low_pin=low_pin,
+        fp32_pin=fp32_pin,
+    )
+    return dataclasses.replace(recipe, reason=reason)
+
+
+@dataclass(frozen=True)
+class _AnyPin:
+    pins: tuple[ModulePin, ...]
+
+    def __call__(self, module: nn.Module, name: str) -> bool:
+        return any(pin(module, name) for pin in self.pins)
+
+
+def _either(first: ModulePin | None, second: ModulePin) -> ModulePin:
+    return second if first is None else _AnyPin((first, second))
+
+
+def _pin(argument: str, pins: Pins, network: nn.Module) -> ModulePin | None:
+    """Validate a pin: qualified module names, or a ``(module, name) -> bool`` filter."""
+    if pins is None:
+        return None
+    if callable(pins):
+        return pins
+    if isinstance(pins, str) or not isinstance(pins, Iterable):
+        raise TypeError(
+            f"{argument} must be a list of qualified module names or a function "
+            f"(module, name) -> bool; got {pins!r}"
+        )
+    names = dict(network.named_modules())
+    paths = list(pins)
+    for path in paths:
+        if not isinstance(path, str):
+            raise TypeError(f"{argument} must hold qualified module names (str); got {path!r}")
+        if path not in names:
+            close = difflib.get_close_matches(path, list(names), n=3)
+            if close:
+                hint = f"; did you mean {', '.join(map(repr, close))}?"
+            else:
+                shown = [n for n in names if n][:8]
+                more = ", ..." if len(names) - 1 > len(shown) else ""
+                hint = f"; its modules are {', '.join(map(repr, shown))}{more}"
+            raise ValueError(
+                f"{argument} names {path!r}, which is not a module of the network{hint}"
+            )
+    return PathPin(frozenset(paths))
+
+
+def check_list(argument: str, items: object, *, modules_only: bool) -> list[Any]:
+    """Validate a custom list: a ``list`` of module classes (and, unless
+    ``modules_only``, functions)."""
+    if not isinstance(items, list):
+        raise TypeError(f"{argument} must be a list; got {type(items).__name__}: {items!r}")
+    allowed = "nn.Module subclasses" if modules_only else "nn.Module subclasses or functions"
+    for index, item in enumerate(items):
+        if isinstance(item, type):
+            if issubclass(item, nn.Module):
+                continue
+        elif isinstance(item, nn.Module):
+            raise TypeError(
+                f"{argument}[{index}] must be a class, not an instance: got {item!r}; "
+                f"pass {type(item).__name__} itself"
+            )
+        elif callable(item) and not modules_only:
+            continue
+        raise TypeError(f"{argument}[{index}] must be one of {allowed}; got {item!r}")
+    return items

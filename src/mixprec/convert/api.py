@@ -7,27 +7,23 @@ Arguments are parsed and validated here, at the edge; inside, code passes
 
 from __future__ import annotations
 
-import difflib
 import logging
-import warnings
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from mixprec import lists
+from mixprec._warn import warn
 from mixprec.convert.graph import convert_graph
 from mixprec.convert.module_level import convert_module_level
 from mixprec.convert.structure import find_converted
-from mixprec.dtypes import device_of, dtype_name, resolve_dtype, warn_if_slow
-from mixprec.levels import Level, ModulePin, PathPin, Recipe, make_recipe, recommend
+from mixprec.dtypes import device_of, dtype_name, warn_if_slow
+from mixprec.levels import Level, Pins, Recipe, check_list, resolve
 
 __all__ = ["auto_mixed_precision", "custom_mixed_precision", "get_black_list", "get_white_list"]
 
 logger = logging.getLogger("mixprec")
-
-Pins = Iterable[str] | ModulePin | None
 
 
 def get_white_list() -> list[type[nn.Module] | Callable[..., object]]:
@@ -65,36 +61,6 @@ def _check_network(network: object) -> nn.Module:
             "Convert the original (unconverted) module instead."
         )
     return network
-
-
-def _pin(argument: str, pins: Pins, network: nn.Module) -> ModulePin | None:
-    """Validate a pin: qualified module names, or a ``(module, name) -> bool`` filter."""
-    if pins is None:
-        return None
-    if callable(pins):
-        return pins
-    if isinstance(pins, str) or not isinstance(pins, Iterable):
-        raise TypeError(
-            f"{argument} must be a list of qualified module names or a function (module, name) -> bool; "
-            f"got {pins!r}"
-        )
-    names = dict(network.named_modules())
-    paths = list(pins)
-    for path in paths:
-        if not isinstance(path, str):
-            raise TypeError(f"{argument} must hold qualified module names (str); got {path!r}")
-        if path not in names:
-            close = difflib.get_close_matches(path, list(names), n=3)
-            if close:
-                hint = f"; did you mean {', '.join(map(repr, close))}?"
-            else:
-                shown = [n for n in names if n][:8]
-                more = ", ..." if len(names) - 1 > len(shown) else ""
-                hint = f"; its modules are {', '.join(map(repr, shown))}{more}"
-            raise ValueError(
-                f"{argument} names {path!r}, which is not a module of the network{hint}"
-            )
-    return PathPin(frozenset(paths))
 
 
 def auto_mixed_precision(
@@ -138,21 +104,8 @@ def auto_mixed_precision(
         torch.float32
     """
     network = _check_network(network)
-    level = Level.parse(amp_level)
-    low = None if dtype is None else resolve_dtype(dtype)
-    device = device_of(network)
-    if level is Level.AUTO:
-        level, low, _ = recommend(device, low)
-    if level is Level.O0:
-        return network
-    recipe = make_recipe(
-        level,
-        low if low is not None else resolve_dtype(None, device),
-        device,
-        low_pin=_pin("low_modules", low_modules, network),
-        fp32_pin=_pin("fp32_modules", fp32_modules, network),
-    )
-    if lint:
+    recipe = resolve(network, amp_level, dtype, fp32_modules=fp32_modules, low_modules=low_modules)
+    if lint and recipe.level is not Level.O0:
         _warn_lint(network, recipe, fp32_modules)
     return convert(network, recipe)
 
@@ -162,38 +115,27 @@ def _warn_lint(network: nn.Module, recipe: Recipe, fp32_modules: Pins) -> None:
 
     report = lint(network, level=recipe.level, dtype=recipe.dtype, fp32_modules=fp32_modules)
     for finding in report:
-        warnings.warn(f"mixprec lint: {finding}", stacklevel=3)
+        warn(f"mixprec lint: {finding}")
 
 
 def convert(network: nn.Module, recipe: Recipe) -> nn.Module:
-    """Convert ``network`` by an already-built recipe (warns once per process when the
-    device runs the recipe's dtype slowly)."""
-    if recipe.level is not Level.O0:
-        warn_if_slow(recipe.dtype, device_of(network))
+    """The one front door of conversion: ``network`` converted by a resolved policy.
+
+    Every entry point (``auto_mixed_precision``, ``custom_mixed_precision``,
+    ``build_train_network``, the diagnostics) comes through here, so every one refuses an
+    already-converted network and warns (once) when the device runs the dtype slowly.
+
+    Raises:
+        TypeError: ``network`` is not a module.
+        ValueError: ``network`` (or a submodule) is already converted.
+    """
+    network = _check_network(network)
+    if recipe.level is Level.O0:
+        return network
+    warn_if_slow(recipe.dtype, device_of(network))
     if recipe.level in (Level.O2, Level.O3):
         return convert_module_level(network, recipe)
-    if recipe.level in (Level.O1, Level.AUTOCAST):
-        return convert_graph(network, recipe)
-    return network
-
-
-def _check_list(argument: str, items: object, *, modules_only: bool) -> list[Any]:
-    if not isinstance(items, list):
-        raise TypeError(f"{argument} must be a list; got {type(items).__name__}: {items!r}")
-    allowed = "nn.Module subclasses" if modules_only else "nn.Module subclasses or functions"
-    for index, item in enumerate(items):
-        if isinstance(item, type):
-            if issubclass(item, nn.Module):
-                continue
-        elif isinstance(item, nn.Module):
-            raise TypeError(
-                f"{argument}[{index}] must be a class, not an instance: got {item!r}; "
-                f"pass {type(item).__name__} itself"
-            )
-        elif callable(item) and not modules_only:
-            continue
-        raise TypeError(f"{argument}[{index}] must be one of {allowed}; got {item!r}")
-    return items
+    return convert_graph(network, recipe)
 
 
 def custom_mixed_precision(
@@ -226,25 +168,31 @@ def custom_mixed_precision(
             f"custom_mixed_precision takes exactly one of white_list or black_list; got {given} "
             f"(white_list={white_list!r}, black_list={black_list!r})"
         )
-    device = device_of(network)
-    low = resolve_dtype(dtype, device)
-    low_pin = _pin("low_modules", low_modules, network)
-    fp32_pin = _pin("fp32_modules", fp32_modules, network)
     if white_list is not None:
-        items = _check_list("white_list", white_list, modules_only=False)
-        recipe = make_recipe(
-            Level.O1, low, device, white_list=items, low_pin=low_pin, fp32_pin=fp32_pin
+        items = check_list("white_list", white_list, modules_only=False)
+        recipe = resolve(
+            network,
+            Level.O1,
+            dtype,
+            white_list=items,
+            fp32_modules=fp32_modules,
+            low_modules=low_modules,
         )
     else:
-        items = _check_list("black_list", black_list, modules_only=True)
+        items = check_list("black_list", black_list, modules_only=True)
+        recipe = resolve(
+            network,
+            Level.O2,
+            dtype,
+            black_list=items,
+            fp32_modules=fp32_modules,
+            low_modules=low_modules,
+        )
         left_out = [cls.__name__ for cls in lists.BLACK_MODULES if cls not in items]
         if left_out:
             logger.warning(
                 "black_list leaves out built-in black-list entries %s: they will run in %s",
                 ", ".join(left_out),
-                dtype_name(low),
+                dtype_name(recipe.dtype),
             )
-        recipe = make_recipe(
-            Level.O2, low, device, black_list=items, low_pin=low_pin, fp32_pin=fp32_pin
-        )
     return convert(network, recipe)

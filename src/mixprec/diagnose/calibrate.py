@@ -37,8 +37,8 @@ from mixprec.convert.module_level import convert_module_level
 from mixprec.convert.structure import structural_copy
 from mixprec.diagnose.probes import preserved, tensor_leaves
 from mixprec.diagnose.report import dtype_name
-from mixprec.dtypes import device_of, resolve_dtype
-from mixprec.levels import Level, PathPin, make_recipe, recommend
+from mixprec.dtypes import device_of
+from mixprec.levels import Level, PathPin, make_recipe, resolve
 
 __all__ = ["CalibrationReport", "ModuleSensitivity", "calibrate", "relative_error"]
 
@@ -247,13 +247,10 @@ def calibrate(
         >>> print(report)  # doctest: +SKIP
     """
     network = _check_network(network)
-    parsed = Level.parse(level, "level")
-    low = None if dtype is None else resolve_dtype(dtype)
-    if parsed is Level.AUTO:
-        parsed, low, _ = recommend(device_of(network), low)
+    policy = resolve(network, level, dtype, argument="level")
+    parsed, low = policy.level, policy.dtype
     if parsed not in (Level.O2, Level.O3):
         raise ValueError(f"level must be 'O2' or 'O3' for calibrate; got {level!r}")
-    low = resolve_dtype(None, device_of(network)) if low is None else low
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance > 0:
         raise ValueError(f"tolerance must be a positive number; got {tolerance!r}")
     if metric is not None and not callable(metric):

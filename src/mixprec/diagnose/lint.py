@@ -27,11 +27,10 @@ import torch
 from torch import nn
 
 from mixprec import lists
-from mixprec.convert.api import _pin
 from mixprec.convert.module_level import convert_module_level
 from mixprec.diagnose.report import dtype_name
-from mixprec.dtypes import device_of, resolve_dtype
-from mixprec.levels import Level, Recipe, make_recipe, recommend
+from mixprec.dtypes import device_of
+from mixprec.levels import Level, Recipe, make_recipe, resolve
 from mixprec.scaling import FixedLossScaleManager, LossScaleManager, StaticLossScaler
 
 __all__ = ["Finding", "FindingKind", "LintReport", "lint"]
@@ -302,15 +301,10 @@ def lint(
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or None; got {optimizer!r}")
     if not isinstance(master_weights, bool):
         raise TypeError(f"master_weights must be a bool; got {master_weights!r}")
-    parsed = Level.parse(level, "level")
-    low = None if dtype is None else resolve_dtype(dtype)
-    device = device_of(network)
-    if parsed is Level.AUTO:
-        parsed, low, _ = recommend(device, low)
-    low = resolve_dtype(None, device) if low is None else low
+    recipe = resolve(network, level, dtype, fp32_modules=fp32_modules, argument="level")
+    parsed, low = recipe.level, recipe.dtype
     if parsed is Level.O0:
         return LintReport(parsed.value, "float32", ())
-    recipe = make_recipe(parsed, low, device, fp32_pin=_pin("fp32_modules", fp32_modules, network))
     runs_low = _runs_low(recipe, network)
     names = {id(p): n for n, p in network.named_parameters()}
     findings: list[Finding] = []
