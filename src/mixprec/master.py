@@ -11,7 +11,8 @@ optimizer was built on) become the float32 *masters*:
 3. the low-precision copies are refreshed from the masters (:meth:`MasterWeights.refresh`,
    one ``_foreach_copy_`` per dtype).
 
-One source of truth: before every forward, :meth:`MasterWeights.sync` looks at the version
+One source of truth: before every forward of the converted model (through the step or
+called directly), :meth:`MasterWeights.sync` looks at the version
 counters of both copies. A write to a master (``model.load_state_dict``, an in-place edit, a
 weight fixed after it went inf) is copied to the low copy; a write to a low copy alone
 (``step.network.load_state_dict`` with low-precision values) is copied up to the master.
@@ -70,7 +71,11 @@ class MasterWeights:
             setattr(owner, name, low)
         masters = cls(pairs)
         masters._hook_loading(slots, {id(low): master for master, low in pairs})
+        converted.register_forward_pre_hook(masters._sync_hook)  # every entry sees the truth
         return masters
+
+    def _sync_hook(self, module: nn.Module, args: Any) -> None:
+        self.sync()
 
     def _hook_loading(
         self, slots: Sequence[tuple[nn.Module, str]], master_of: dict[int, Any]

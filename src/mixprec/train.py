@@ -8,7 +8,7 @@ One call turns a model, its optimizer and a loss into a training step at a level
         if step.overflow:                  # the step was skipped, and says why
             print(f"skipped: gradients overflowed at loss scale {step.loss_scale}")
 
-Each call: (with master weights) outside writes reconciled; forward; the loss in float32
+Each call: forward (with master weights, outside writes reconciled first); the loss in float32
 (output and label cast first); backward on the loss times the scale (a device tensor);
 low-precision gradients moved onto float32 masters; unscale (float64 reciprocal) and the
 overflow check, fused; one overflow decision for all ranks; the ``after_unscale`` seam;
@@ -224,8 +224,6 @@ class TrainStep(nn.Module):
     # ------------------------------------------------------------------ the step
     def forward(self, *inputs: Any, **kwargs: Any) -> torch.Tensor:
         """Run one micro-batch; returns its unscaled float32 loss (detached)."""
-        if self._micro_step == 0 and self.masters is not None:
-            self.masters.sync()
         try:
             if self.loss_fn is not None:
                 if not inputs:
