@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from mixprec.distributed import agree_on_overflow
-from mixprec.grads import found_non_finite, inverse_scale, unscale_grads_
+from mixprec.grads import inverse_scale, unscale_grads_
 from mixprec.levels import Level
 from mixprec.master import MasterWeights
 from mixprec.ops import cast_tree
@@ -290,10 +290,10 @@ class TrainStep(nn.Module):
         device = grads[0].device if grads else self.found_inf.device
         try:
             scale = None if self._warming_up else self._scale_tensor(device)
-            if scale is not None and grads:
-                found = unscale_grads_(grads, inverse_scale(scale))  # one fused pass
-            else:
-                found = found_non_finite(grads).to(device)
+            # one fused pass unscales and checks; with no scale it multiplies by exactly 1,
+            # which on CPU is several times faster than an inf-norm reduction
+            inverse = torch.ones((), device=device) if scale is None else inverse_scale(scale)
+            found = unscale_grads_(grads, inverse)
             found = agree_on_overflow(found) if check else torch.zeros_like(found)
             self.found_inf = found
             if self.hooks.after_unscale is not None:
