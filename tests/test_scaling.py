@@ -85,8 +85,8 @@ def test_dynamic_manager_raises_after_1000_consecutive_overflows(overflows: int)
 def test_dynamic_manager_scale_never_below_one_nor_inf() -> None:
     manager = DynamicLossScaleManager(2, scale_factor=4, scale_window=1)
     assert run_manager(manager, ["T", "T"]) == [1.0, 1.0]
-    huge = DynamicLossScaleManager(1e308, scale_factor=2, scale_window=1)
-    assert run_manager(huge, ["F", "F"]) == [1e308, 1e308]
+    huge = DynamicLossScaleManager(2.0**127, scale_factor=2, scale_window=1)
+    assert run_manager(huge, ["F", "F"]) == [2.0**127, 2.0**127]  # 2**128 is inf in float32
     assert huge.good_steps == 0
 
 
@@ -619,7 +619,7 @@ def test_tensor_paths_never_sync(monkeypatch: pytest.MonkeyPatch) -> None:
         for flag in (finite, torch.tensor(True), True, False):
             scaler.adjust(flag)
         scale, counter = next_dynamic_scale(scaler.scale_value, scaler.counter, finite, 2, 3)
-        scaler.load_state_dict(scaler.state_dict())
+        state = scaler.state_dict()  # a snapshot; loading validates it, which reads it
         static = StaticLossScaler(4)
         static_out = static.unscale(static.scale(torch.tensor([0.5])))
         static.adjust(finite)
@@ -633,3 +633,5 @@ def test_tensor_paths_never_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     assert scale.item() == 128.0
     assert counter.item() == 0
     assert static_out.item() == 0.5
+    scaler.load_state_dict(state)
+    assert scaler.scale_value.item() == 256.0

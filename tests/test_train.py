@@ -137,25 +137,29 @@ def test_without_a_manager_non_finite_steps_are_still_skipped() -> None:
     assert torch.equal(model.net[0].weight, before)
 
 
+def _build(level: str, dtype: str, **options: object) -> amp.TrainStep:
+    model = _model()
+    return amp.build_train_network(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), level=level, dtype=dtype, **options
+    )
+
+
 def test_fresh_manager_per_call_and_defaults() -> None:
-    a = amp.build_train_network(
-        _model(), torch.optim.SGD(_model().parameters(), lr=0.1), level="O2", dtype="fp16"
-    )
-    b = amp.build_train_network(
-        _model(), torch.optim.SGD(_model().parameters(), lr=0.1), level="O2", dtype="fp16"
-    )
+    a = _build("O2", "fp16")
+    b = _build("O2", "fp16")
     assert isinstance(a.loss_scale_manager, amp.DynamicLossScaleManager)
     assert a.loss_scale_manager is not b.loss_scale_manager
-    assert a.loss_scale == 2.0**24
-    c = amp.build_train_network(
-        _model(), torch.optim.SGD(_model().parameters(), lr=0.1), level="O3", dtype="bf16"
-    )
+    assert a.config.auto_loss_scale  # the first step picks the scale from its gradients
+    assert a.loss_scale == 1.0
+    user = _build("O2", "fp16", loss_scale_manager=amp.DynamicLossScaleManager())
+    assert user.loss_scale == 2.0**24  # a manager the user builds keeps MindSpore's default
+    assert not user.config.auto_loss_scale
+    assert _build("O2", "fp16", loss_scale_manager=None).loss_scale_manager is None
+    c = _build("O3", "bf16")
     assert c.loss_scale_manager is None
     assert c.config.cast_model_type == torch.bfloat16
     assert c.config.keep_batchnorm_fp32 is False
-    d = amp.build_train_network(
-        _model(), torch.optim.SGD(_model().parameters(), lr=0.1), level="O2", dtype="bf16"
-    )
+    d = _build("O2", "bf16")
     assert d.config.keep_batchnorm_fp32 is True
     assert d.config.master_weights is True
 
@@ -443,7 +447,7 @@ def test_errors() -> None:
     with pytest.raises(ValueError, match="accumulation_steps must be a positive int; got 0"):
         amp.build_train_network(model, opt, accumulation_steps=0)
     with pytest.raises(
-        ValueError, match="clip_grad_norm must be a positive number or None; got -1"
+        ValueError, match="clip_grad_norm must be a positive finite number or None; got -1"
     ):
         amp.build_train_network(model, opt, clip_grad_norm=-1)
     with pytest.raises(ValueError, match="cast_model_type=torch.bfloat16 does not fit level 'O1'"):

@@ -1,40 +1,78 @@
-"""``build_train_network``: a level and options become a configured training step.
+"""``build_train_network``: a level and named options become a configured training step.
 
-The keyword arguments are resolved against the level's defaults (DESIGN.md section 4) into
-a frozen :class:`TrainConfig`; the network is converted; with low-precision Parameters the
-float32 masters are installed; a fresh loss-scale manager is made. The step itself is
-:class:`mixprec.train.TrainStep`.
+MindSpore's positional parameters come first (``network, optimizer, loss_fn, level,
+boost_level``), then keyword-only options, each a named, typed parameter. The options are
+resolved against the level's defaults into a frozen :class:`~mixprec.train.TrainConfig`;
+the network is converted; with low-precision Parameters the float32 masters are installed;
+a fresh loss-scale manager is made. The step itself is :class:`mixprec.train.TrainStep`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any
+import difflib
+import enum
+import functools
+import inspect
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
 
 from mixprec import lists
-from mixprec.convert.api import convert
+from mixprec.convert.api import _check_network, _pin, convert
 from mixprec.distributed import ddp_of
 from mixprec.dtypes import device_of, resolve_dtype
-from mixprec.levels import Level, make_recipe, recommend
+from mixprec.levels import Level, ModulePin, make_recipe, recommend
 from mixprec.master import MasterWeights
 from mixprec.scaling import DynamicLossScaleManager, LossScaleManager
-from mixprec.train import TrainConfig, TrainStep
+from mixprec.train import StepHooks, TrainConfig, TrainStep
 
-__all__ = ["build_train_network"]
+__all__ = ["DEFAULT", "UnsupportedArgError", "build_train_network"]
 
-_OPTIONS = (
-    "dtype",
-    "cast_model_type",
-    "keep_batchnorm_fp32",
-    "loss_scale_manager",
-    "master_weights",
-    "accumulation_steps",
-    "clip_grad_norm",
-)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+Pins = Iterable[str] | ModulePin | None
+
+
+class _Default(enum.Enum):
+    """The sentinel for "the level's default" (``None`` means "none" where it matters)."""
+
+    DEFAULT = "the level's default"
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+#: ``loss_scale_manager=DEFAULT`` (what leaving it out means): dynamic for float16, none
+#: for bfloat16. An explicit ``None`` means no loss scaling, as in MindSpore.
+DEFAULT = _Default.DEFAULT
+
+
+class UnsupportedArgError(TypeError, ValueError):
+    """An unknown keyword argument: a TypeError, and a ValueError as MindSpore raises."""
+
+
+def _did_you_mean(function: Callable[_P, _R]) -> Callable[_P, _R]:
+    """An unknown keyword gets a TypeError that names the close matches."""
+    names = list(inspect.signature(function).parameters)
+
+    @functools.wraps(function)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=2)
+                hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+                raise UnsupportedArgError(
+                    f"Unsupported arg {key!r} for {function.__name__}{hint} "
+                    f"Its parameters: {', '.join(names)}"
+                )
+        return function(*args, **kwargs)
+
+    return wrapper
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +85,14 @@ class ClassPin:
         return isinstance(module, self.classes)
 
 
-def _option(kwargs: Mapping[str, Any], key: str, default: Any) -> Any:
-    value = kwargs.get(key)
-    return default if value is None else value
+@dataclasses.dataclass(frozen=True)
+class AnyPin:
+    """Pins a module when any of its pins does."""
+
+    pins: tuple[ModulePin, ...]
+
+    def __call__(self, module: nn.Module, name: str) -> bool:
+        return any(pin(module, name) for pin in self.pins)
 
 
 def _parse_cast_model_type(value: object) -> torch.dtype:
@@ -64,11 +107,85 @@ def _parse_cast_model_type(value: object) -> torch.dtype:
         ) from None
 
 
+def _check_boost_level(boost_level: object) -> None:
+    choices = ("O0", "O1", "O2")
+    if not isinstance(boost_level, str):
+        raise TypeError(f"boost_level must be one of {choices}; got {boost_level!r}")
+    if boost_level.upper() not in choices:
+        close = difflib.get_close_matches(boost_level.upper(), choices, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"boost_level must be one of {', '.join(map(repr, choices))}; got {boost_level!r}{hint}"
+        )
+    if boost_level.upper() != "O0":
+        raise NotImplementedError(
+            f"boost_level={boost_level!r} (MindSpore's LessBN, GradientFreeze, AdaSum) is not "
+            "available in mixprec; use 'O0'"
+        )
+
+
+def _check_float_parameters(network: nn.Module, level: Level, low: torch.dtype | None) -> None:
+    """O2/O3 train float32 parameters through a low-precision copy: refuse anything else."""
+    for name, p in network.named_parameters():
+        if p.is_floating_point() and p.dtype != torch.float32:
+            raise ValueError(
+                f"level {level.value!r} needs a float32 model (it keeps float32 weights and "
+                f"computes in {low}); network holds {p.dtype} parameters (e.g. {name!r}). "
+                f"Build the step from the float32 model (model.float()), or use level 'O0' to "
+                f"train it as it is"
+            )
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, network: nn.Module, loss_fn: object) -> None:
+    trained = {id(p) for p in network.parameters()}
+    if isinstance(loss_fn, nn.Module):
+        trained |= {id(p) for p in loss_fn.parameters()}
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in stepped if id(p) not in trained]
+    if stepped and len(foreign) == len(stepped):
+        raise ValueError(
+            f"optimizer holds none of network's parameters ({len(stepped)} tensors, none of "
+            "them the network's or the loss's): build it on network.parameters()"
+        )
+    if foreign:
+        warnings.warn(
+            f"{len(foreign)} of the optimizer's {len(stepped)} parameters belong neither to the "
+            "network nor to the loss: the step never gives them a gradient",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _check_hooks(
+    optimizer: torch.optim.Optimizer, lr_scheduler: Any, after_unscale: Any, after_skip: Any
+) -> StepHooks:
+    for name, hook in (("after_unscale", after_unscale), ("after_skip", after_skip)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"{name} must be callable or None; got {hook!r}")
+    if lr_scheduler is not None:
+        if not callable(getattr(lr_scheduler, "step", None)):
+            raise TypeError(
+                f"lr_scheduler must have a step() method (a torch LRScheduler); got {lr_scheduler!r}"
+            )
+        owner = getattr(lr_scheduler, "optimizer", optimizer)
+        if owner is not optimizer:
+            raise ValueError("lr_scheduler was built on another optimizer than the step's")
+    return StepHooks(after_unscale=after_unscale, after_skip=after_skip, lr_scheduler=lr_scheduler)
+
+
 def _resolve(
-    network: nn.Module, level: Level, kwargs: Mapping[str, Any], distributed: bool
+    network: nn.Module,
+    level: Level,
+    distributed: bool,
+    dtype: torch.dtype | str | None,
+    cast_model_type: torch.dtype | str | None,
+    keep_batchnorm_fp32: bool | None,
+    master_weights: bool | None,
+    accumulation_steps: int,
+    clip_grad_norm: float | None,
 ) -> TrainConfig:
     device = device_of(network)
-    low = None if kwargs.get("dtype") is None else resolve_dtype(kwargs["dtype"])
+    low = None if dtype is None else resolve_dtype(dtype)
     reason = ""
     if level is Level.AUTO:
         level, low, reason = recommend(device, low)
@@ -77,106 +194,126 @@ def _resolve(
     elif low is None:
         low = resolve_dtype(None, device)
     module_level = level in (Level.O2, Level.O3)
+    if module_level:
+        _check_float_parameters(network, level, low)
 
-    cast_model_type = torch.float32
-    if kwargs.get("cast_model_type") is not None:
-        given = kwargs["cast_model_type"]
-        cast_model_type = _parse_cast_model_type(given)
-        if cast_model_type != torch.float32 and (not module_level or cast_model_type != low):
+    cast = torch.float32
+    if cast_model_type is not None:
+        cast = _parse_cast_model_type(cast_model_type)
+        if cast != torch.float32 and (not module_level or cast != low):
             raise ValueError(
-                f"cast_model_type={given!r} does not fit level {level.value!r} with dtype {low}: "
-                "low-precision parameters go with O2/O3 in their dtype; otherwise use torch.float32"
+                f"cast_model_type={cast_model_type!r} does not fit level {level.value!r} with dtype "
+                f"{low}: low-precision parameters go with O2/O3 in their dtype; otherwise use "
+                "torch.float32"
             )
     elif module_level and not distributed and low is not None:
-        cast_model_type = low  # the model holds low-precision Parameters (O2/O3 default)
+        cast = low  # the model holds low-precision Parameters (O2/O3 default)
 
-    keep_bn = _option(kwargs, "keep_batchnorm_fp32", level is Level.O2)
+    keep_bn = level is Level.O2 if keep_batchnorm_fp32 is None else keep_batchnorm_fp32
     if not isinstance(keep_bn, bool):
         raise TypeError(f"keep_batchnorm_fp32 must be a bool; got {keep_bn!r}")
-    master = _option(kwargs, "master_weights", cast_model_type != torch.float32)
+    master = cast != torch.float32 if master_weights is None else master_weights
     if not isinstance(master, bool):
         raise TypeError(f"master_weights must be a bool; got {master!r}")
-    if master and cast_model_type == torch.float32:
+    if master and cast == torch.float32:
         raise ValueError(
             f"master_weights=True needs low-precision parameters (level O2/O3 with cast_model_type "
             f"{low}); this step keeps float32 parameters"
             + (" because DistributedDataParallel reduces them" if distributed else "")
         )
-    steps = _option(kwargs, "accumulation_steps", 1)
+    steps = accumulation_steps
     if isinstance(steps, bool) or not isinstance(steps, int):
         raise TypeError(f"accumulation_steps must be a positive int; got {steps!r}")
     if steps < 1:
         raise ValueError(f"accumulation_steps must be a positive int; got {steps!r}")
-    clip = kwargs.get("clip_grad_norm")
+    clip = clip_grad_norm
     if clip is not None and (
-        isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0
+        isinstance(clip, bool)
+        or not isinstance(clip, (int, float))
+        or not math.isfinite(clip)
+        or clip <= 0
     ):
-        raise ValueError(f"clip_grad_norm must be a positive number or None; got {clip!r}")
+        raise ValueError(f"clip_grad_norm must be a positive finite number or None; got {clip!r}")
     return TrainConfig(
-        level,
-        low,
-        cast_model_type,
-        keep_bn,
-        master,
-        steps,
-        None if clip is None else float(clip),
-        reason,
+        level, low, cast, keep_bn, master, steps, None if clip is None else float(clip), reason
     )
 
 
-def _convert(network: nn.Module, config: TrainConfig) -> nn.Module:
+def _convert(
+    network: nn.Module, config: TrainConfig, low_pin: ModulePin | None, fp32_pin: ModulePin | None
+) -> nn.Module:
     if config.level is Level.O0 or config.dtype is None:
         return network
     device = device_of(network)
     if config.level in (Level.O2, Level.O3):
         black = list(lists.BLACK_MODULES) if config.keep_batchnorm_fp32 else []
-        recipe = make_recipe(Level.O2, config.dtype, device, black_list=black)
+        recipe = make_recipe(
+            Level.O2, config.dtype, device, black_list=black, low_pin=low_pin, fp32_pin=fp32_pin
+        )
         recipe = dataclasses.replace(recipe, level=config.level)
     else:
-        pin = ClassPin(lists.BLACK_MODULES) if config.keep_batchnorm_fp32 else None
-        recipe = make_recipe(config.level, config.dtype, device, fp32_pin=pin)
+        pins = [pin for pin in (fp32_pin,) if pin is not None]
+        if config.keep_batchnorm_fp32:
+            pins.append(ClassPin(lists.BLACK_MODULES))
+        fp32 = None if not pins else pins[0] if len(pins) == 1 else AnyPin(tuple(pins))
+        recipe = make_recipe(config.level, config.dtype, device, low_pin=low_pin, fp32_pin=fp32)
     return convert(network, recipe)
 
 
-def _default_manager(config: TrainConfig) -> LossScaleManager | None:
-    """float16 gradients underflow without loss scaling at every level that computes in
-    float16; bfloat16 has float32's range and needs none."""
-    if config.dtype == torch.float16:
-        return DynamicLossScaleManager()
-    return None
-
-
+@_did_you_mean
 def build_train_network(
     network: nn.Module,
     optimizer: torch.optim.Optimizer,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     level: str | Level = "O0",
     boost_level: str = "O0",
-    **kwargs: Any,
+    *,
+    dtype: torch.dtype | str | None = None,
+    cast_model_type: torch.dtype | str | None = None,
+    keep_batchnorm_fp32: bool | None = None,
+    loss_scale_manager: LossScaleManager | _Default | None = DEFAULT,
+    master_weights: bool | None = None,
+    accumulation_steps: int = 1,
+    clip_grad_norm: float | None = None,
+    fp32_modules: Pins = None,
+    low_modules: Pins = None,
+    lr_scheduler: Any = None,
+    after_unscale: Callable[[TrainStep, list[torch.Tensor]], None] | None = None,
+    after_skip: Callable[[TrainStep], None] | None = None,
 ) -> TrainStep:
     """Build a mixed-precision training step.
 
     Args:
-        network: the model (or a ``DistributedDataParallel`` around it). Not modified;
-            the step trains its Parameters.
+        network: the model (or a ``DistributedDataParallel`` around it); the step trains
+            its Parameters.
         optimizer: a ``torch.optim`` optimizer built on ``network``'s parameters.
         loss_fn: ``loss_fn(output, label)``; None when the network returns its loss.
         level: "O0", "O1", "O2", "O3", "autocast" or "auto" (the device's recommendation).
-        boost_level: MindSpore's boost level; only "O0" (no boost) is supported.
-        **kwargs: ``dtype``; ``cast_model_type`` (the dtype of the model's Parameters:
-            float32 = cast at use, the low dtype = low-precision Parameters); ``keep_batchnorm_fp32``;
-            ``loss_scale_manager`` (default: dynamic for float16, none for bfloat16);
-            ``master_weights`` (float32 masters for low-precision Parameters; default on);
-            ``accumulation_steps`` (calls per optimizer step); ``clip_grad_norm``
-            (max norm of the unscaled gradients).
+        boost_level: MindSpore's boost level; only "O0" (no boost) is available.
+        dtype: the low dtype (default: the device's usual one).
+        cast_model_type: the dtype of the model's Parameters: float32 = cast at use, the
+            low dtype = low-precision Parameters (default for O2/O3).
+        keep_batchnorm_fp32: norms in float32 (default: True for O2).
+        loss_scale_manager: leave out for the level's default (float16: a dynamic scale
+            whose first value comes from the first gradients; bfloat16: none); ``None``
+            for no loss scaling; or a manager.
+        master_weights: float32 masters for low-precision Parameters (default on).
+        accumulation_steps: calls per optimizer step.
+        clip_grad_norm: max norm of the unscaled gradients.
+        fp32_modules / low_modules: pins, as in :func:`mixprec.auto_mixed_precision`.
+        lr_scheduler: stepped after each applied optimizer step, never after a skipped one.
+        after_unscale: ``after_unscale(step, params)``, between unscale and optimizer step.
+        after_skip: ``after_skip(step)``, after a skipped optimizer step.
 
     Returns:
         A :class:`TrainStep`: ``loss = step(*inputs, label)`` (or ``step(*inputs, **kwargs)``
         without ``loss_fn``).
 
     Raises:
-        TypeError: a non-module network, a non-optimizer, a bad option type.
-        ValueError: an unknown level, dtype or keyword; conflicting options.
+        TypeError: a non-module network, a non-optimizer, a bad option type, an unknown
+            keyword (with the close matches).
+        ValueError: an unknown level or dtype; conflicting options; an optimizer over
+            other parameters; O2/O3 on a model that is not float32.
 
     Example:
         >>> step = mixprec.build_train_network(model, torch.optim.AdamW(model.parameters()),
@@ -193,27 +330,31 @@ def build_train_network(
         )
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None; got {loss_fn!r}")
-    unknown = [key for key in kwargs if key not in _OPTIONS]
-    if unknown:
-        raise ValueError(
-            f"Unsupported arg {unknown[0]!r} for build_train_network; allowed: {', '.join(_OPTIONS)}"
-        )
-    if boost_level != "O0":
-        if boost_level in ("O1", "O2"):
-            raise NotImplementedError(
-                f"boost_level={boost_level!r} (MindSpore's LessBN, GradientFreeze, AdaSum) is not available in mixprec; use 'O0'"
-            )
-        raise ValueError(f"boost_level must be one of 'O0', 'O1', 'O2'; got {boost_level!r}")
-    manager = kwargs.get("loss_scale_manager")
-    if manager is not None and not isinstance(manager, LossScaleManager):
+    _check_boost_level(boost_level)
+    manager = loss_scale_manager
+    if manager is not DEFAULT and manager is not None and not isinstance(manager, LossScaleManager):
         raise TypeError(
             f"loss_scale_manager must be a mixprec.LossScaleManager or None; got {manager!r}"
         )
+    hooks = _check_hooks(optimizer, lr_scheduler, after_unscale, after_skip)
 
     ddp = ddp_of(network)
-    inner = ddp.module if ddp is not None else network
-    config = _resolve(inner, Level.parse(level, "level"), kwargs, distributed=ddp is not None)
-    converted = _convert(inner, config)
+    inner = _check_network(ddp.module if ddp is not None else network)
+    _check_optimizer(optimizer, inner, loss_fn)
+    config = _resolve(
+        inner,
+        Level.parse(level, "level"),
+        ddp is not None,
+        dtype,
+        cast_model_type,
+        keep_batchnorm_fp32,
+        master_weights,
+        accumulation_steps,
+        clip_grad_norm,
+    )
+    low_pin = _pin("low_modules", low_modules, inner)
+    fp32_pin = _pin("fp32_modules", fp32_modules, inner)
+    converted = _convert(inner, config, low_pin, fp32_pin)
     masters = None
     if config.cast_model_type != torch.float32:
         masters = MasterWeights.install(converted)
@@ -223,9 +364,12 @@ def build_train_network(
     if ddp is not None:
         ddp.module = converted  # same Parameters: DDP's reducer keeps working
         converted = ddp
-    if manager is None and "loss_scale_manager" not in kwargs:
-        manager = _default_manager(config)
-    return TrainStep(converted, optimizer, loss_fn, config, manager, masters)
+    if manager is DEFAULT:
+        manager = None
+        if config.dtype == torch.float16:  # float16 gradients underflow without scaling
+            manager = DynamicLossScaleManager(2.0**16)
+            config = dataclasses.replace(config, auto_loss_scale=True)
+    return TrainStep(converted, optimizer, loss_fn, config, manager, masters, hooks)
 
 
 def _repoint(optimizer: torch.optim.Optimizer, masters: MasterWeights) -> None:

@@ -1,8 +1,8 @@
 """Gradient checks: is anything non-finite, and unscaling, on the device.
 
-:func:`all_finite` and :func:`unscale_grads_` never synchronize with the host (fused
-foreach kernels per device and dtype); :func:`any_non_finite` is the training step's one
-host sync per optimizer step, made cheap by a fast path.
+:func:`all_finite`, :func:`found_non_finite` and :func:`unscale_grads_` never synchronize
+with the host (fused foreach kernels per device and dtype). Complex tensors are checked
+and unscaled through their real view (an inf in either part counts).
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from typing import Any
 
 import torch
 
-from mixprec.distributed import agree_on_overflow
-
-__all__ = ["all_finite", "any_non_finite", "inverse_scale", "to_device", "unscale_grads_"]
+__all__ = ["all_finite", "found_non_finite", "inverse_scale", "to_device", "unscale_grads_"]
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -28,7 +26,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _group(
     tensors: object, argument: str, *, strict: bool = False
 ) -> dict[tuple[torch.device, torch.dtype], list[Any]]:
-    """Floating, non-empty tensors by (device, dtype); sparse ones by their values.
+    """Floating, non-empty tensors by (device, dtype); sparse ones by their values,
+    complex ones by their real view.
 
     Other tensors are skipped, or with ``strict`` refused.
     """
@@ -42,9 +41,11 @@ def _group(
     for i, t in enumerate(tensors):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{argument} must hold tensors (or None); got {t!r} at item {i}")
-        if strict and t is not None and not t.is_floating_point():
+        if strict and t is not None and not (t.is_floating_point() or t.is_complex()):
             raise TypeError(f"{argument} must be floating tensors; got {t.dtype} at item {i}")
         values = t._values() if t is not None and t.is_sparse else t
+        if values is not None and values.is_complex():
+            values = torch.view_as_real(values)
         if values is not None and values.is_floating_point() and values.numel() > 0:
             groups.setdefault((values.device, values.dtype), []).append(values)
     return groups
@@ -120,18 +121,14 @@ def unscale_grads_(grads: Sequence[torch.Tensor | None], inv_scale: torch.Tensor
     return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
 
 
-def any_non_finite(grads: Sequence[torch.Tensor]) -> bool:
-    """Whether any gradient holds inf/NaN, agreed across ranks (a host sync).
+def found_non_finite(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """1.0 if any tensor holds an inf or a NaN, else 0.0: a 0-dim float32 tensor (no sync).
 
-    The fast path is one L2 norm per tensor (a fused, vectorised reduction, several times
-    cheaper than an exact element check); only when some norm is not finite (which a float32
-    norm of huge finite values also is) does the exact check decide.
+    The form the fused optimizers take as ``found_inf``; it lives where :func:`all_finite`
+    puts its flag.
+
+    Example:
+        >>> found_non_finite([torch.tensor([1.0, float("inf")])])
+        tensor(1.)
     """
-    if not grads:
-        return False
-    norms = torch._foreach_norm(list(grads), 2)
-    suspect = (~torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms])).all()).float()
-    if not agree_on_overflow(suspect).item():
-        return False
-    exact = (~all_finite(grads)).float()
-    return bool(agree_on_overflow(exact).item())
+    return (~all_finite(tensors)).float()

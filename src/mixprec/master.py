@@ -4,104 +4,202 @@ Under O2/O3 training the converted model computes with low-precision Parameters 
 own, so no weight is cast in the forward pass. The user's Parameters (the ones the
 optimizer was built on) become the float32 *masters*:
 
-1. after each backward, low-precision gradients are moved onto the masters, accumulated in
-   float32 (:meth:`MasterWeights.collect_grads`);
-2. the optimizer steps the masters, exactly as it would without mixprec;
-3. the low-precision copies are refreshed from the masters (:meth:`MasterWeights.refresh`),
-   with one fused ``_foreach_copy_`` per dtype.
+1. after each backward, low-precision gradients are moved onto the masters and
+   accumulated there in float32 (:meth:`MasterWeights.collect_grads`, fused foreach copies);
+2. the optimizer steps the masters, exactly as it would without mixprec (a fused
+   ``AdamW(fused=True)`` or a foreach optimizer steps them with its fused kernels);
+3. the low-precision copies are refreshed from the masters (:meth:`MasterWeights.refresh`,
+   one ``_foreach_copy_`` per dtype).
 
-The optimizer, its param groups, its state and any LR scheduler attached to it never see
-a low-precision tensor.
+One source of truth: before every forward of the converted model (through the step or
+called directly), :meth:`MasterWeights.sync` looks at the version
+counters of both copies. A write to a master (``model.load_state_dict``, an in-place edit, a
+weight fixed after it went inf) is copied to the low copy; a write to a low copy alone
+(``step.network.load_state_dict`` with low-precision values) is copied up to the master.
+Loading higher-precision values into ``step.network`` writes them to the masters directly, so
+nothing is lost to the low dtype.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import torch
 from torch import nn
 
-from mixprec.convert.module_level import CastAtUseForward
+from mixprec.convert.module_level import low_precision_parameters
 
 __all__ = ["MasterWeights"]
 
 
-class MasterWeights:
-    """Pairs of (float32 master, low-precision model Parameter).
+def _key(t: torch.Tensor) -> tuple[int, int]:
+    return (t._version, t.data_ptr())
 
-    Built by :meth:`install`, which gives a module converted at module level its own
-    low-precision Parameters in place of the shared float32 ones.
-    """
+
+class MasterWeights:
+    """Pairs of (float32 master, low-precision model Parameter)."""
 
     def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
         self.masters: list[torch.Tensor] = [master for master, _ in pairs]
         self.lows: list[torch.Tensor] = [low for _, low in pairs]
-        # float32 gradient buffers, allocated once: a fresh 4-byte-per-weight allocation
-        # every step costs more than the conversion itself (page faults)
-        self._buffers: list[torch.Tensor | None] = [None] * len(self.masters)
-        self._fresh = [False] * len(self.masters)
+        # float32 gradient buffers, allocated once: a fresh allocation every step costs
+        # more than the copy (page faults)
+        self._buffers: list[torch.Tensor] = []
+        self._accumulating = False
+        self._has_grad: list[bool] = []
+        self._seen: list[tuple[tuple[int, int], tuple[int, int]]] = []
+        self._record()
 
     @classmethod
     def install(cls, converted: nn.Module) -> MasterWeights:
-        """Swap every Parameter ``converted`` computes with in low precision for a
-        low-precision Parameter of its own; the float32 ones become the masters."""
-        forward = converted.__dict__.get("forward")
-        if not isinstance(forward, CastAtUseForward):
-            raise TypeError("master weights need a module converted at O2 or O3")
+        """Give every Parameter ``converted`` casts at use a low-precision Parameter of
+        its own; the float32 ones become the masters. Refuses anything but float32."""
+        dtype, slots = low_precision_parameters(converted)
         lows: dict[int, nn.Parameter] = {}
         pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-        for slot in forward.slots:
-            master = slot.owner._parameters[slot.name]
-            if not isinstance(master, nn.Parameter) or master.dtype == forward.dtype:
+        for owner, name in slots:
+            master = getattr(owner, name)
+            if not isinstance(master, nn.Parameter) or master.dtype == dtype:
                 continue
             low = lows.get(id(master))
             if low is None:
-                low = nn.Parameter(
-                    master.detach().to(forward.dtype), requires_grad=master.requires_grad
-                )
+                low = nn.Parameter(master.detach().to(dtype), requires_grad=master.requires_grad)
                 lows[id(master)] = low
                 pairs.append((master, low))
-            slot.owner._parameters[slot.name] = low
-        for rnn in forward.recurrent:
-            rnn._init_flat_weights()
-        return cls(pairs)
+            setattr(owner, name, low)
+        masters = cls(pairs)
+        masters._hook_loading(slots, {id(low): master for master, low in pairs})
+        converted.register_forward_pre_hook(masters._sync_hook)  # every entry sees the truth
+        return masters
 
+    def _sync_hook(self, module: nn.Module, args: Any) -> None:
+        self.sync()
+
+    def _hook_loading(
+        self, slots: Sequence[tuple[nn.Module, str]], master_of: dict[int, Any]
+    ) -> None:
+        owners: dict[int, tuple[nn.Module, list[str]]] = {}
+        for owner, name in slots:
+            owners.setdefault(id(owner), (owner, []))[1].append(name)
+        for owner, names in owners.values():
+            hook = functools.partial(_load_masters_first, names, master_of)
+            owner.register_load_state_dict_pre_hook(hook)
+
+    # ---------------------------------------------------------------- one source of truth
+    def _record(self) -> None:
+        self._seen = [(_key(m), _key(low)) for m, low in zip(self.masters, self.lows, strict=True)]
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Reconcile outside writes before a forward: a written master wins, then a
+        written low copy (copied up to its master)."""
+        changed = False
+        for i, (master, low) in enumerate(zip(self.masters, self.lows, strict=True)):
+            seen_master, seen_low = self._seen[i]
+            if _key(master) != seen_master:
+                low.copy_(master)
+                changed = True
+            elif _key(low) != seen_low:
+                master.copy_(low)
+                changed = True
+        if changed:
+            self._record()
+
+    # ---------------------------------------------------------------- gradients
     @torch.no_grad()
     def collect_grads(self) -> None:
         """Move the low-precision gradients onto the masters, in float32, and clear them
-        (called after every backward, so micro-batches accumulate in float32)."""
-        for i, (master, low) in enumerate(zip(self.masters, self.lows, strict=True)):
-            if low.grad is None:
-                continue
-            buffer = self._buffers[i]
-            if buffer is None or buffer.shape != master.shape or buffer.device != master.device:
-                buffer = self._buffers[i] = torch.empty_like(master, dtype=torch.float32)
-                self._fresh[i] = False
-            if self._fresh[i] and master.grad is buffer:
-                buffer.add_(low.grad)
-            else:
-                buffer.copy_(low.grad)
-                self._fresh[i] = True
-            master.grad = buffer
-            low.grad = None
+        (after every backward, so micro-batches accumulate in float32)."""
+        if len(self._buffers) != len(self.masters):
+            self._buffers = [torch.zeros_like(m, dtype=torch.float32) for m in self.masters]
+        if not self._accumulating:
+            self._has_grad = [False] * len(self.masters)
+        grads = {i: low.grad for i, low in enumerate(self.lows) if low.grad is not None}
+        add = [i for i in grads if self._has_grad[i]]
+        copy = [i for i in grads if not self._has_grad[i]]
+        if add:
+            torch._foreach_add_([self._buffers[i] for i in add], [grads[i] for i in add])
+        if copy:
+            torch._foreach_copy_([self._buffers[i] for i in copy], [grads[i] for i in copy])
+        for i in grads:
+            self._has_grad[i] = True
+            self.masters[i].grad = self._buffers[i]
+            self.lows[i].grad = None
+        self._accumulating = True
 
     def step_done(self) -> None:
         """The next backward starts a new accumulation."""
-        self._fresh = [False] * len(self.masters)
+        self._accumulating = False
+
+    def clear_grads(self) -> None:
+        """Abandon an accumulation: every gradient of both copies is dropped."""
+        self._accumulating = False
+        for master, low in zip(self.masters, self.lows, strict=True):
+            master.grad = None
+            low.grad = None
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the (stepped) masters into the low-precision Parameters."""
         if self.lows:
             torch._foreach_copy_(self.lows, self.masters)
+        self._record()
 
+    # ---------------------------------------------------------------- checkpoints
     def state(self) -> list[torch.Tensor]:
         return [master.detach() for master in self.masters]
 
-    @torch.no_grad()
-    def load(self, tensors: list[torch.Tensor]) -> None:
+    def check(self, tensors: object) -> list[torch.Tensor]:
+        """Validate checkpointed masters (count, types, shapes) without writing anything."""
+        if not isinstance(tensors, (list, tuple)):
+            raise ValueError(
+                f"checkpoint masters must be a list of tensors; got {type(tensors).__name__}"
+            )
         if len(tensors) != len(self.masters):
             raise ValueError(
                 f"checkpoint holds {len(tensors)} master weights; this model has {len(self.masters)}"
             )
-        for master, tensor in zip(self.masters, tensors, strict=True):
+        for i, (master, tensor) in enumerate(zip(self.masters, tensors, strict=True)):
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                raise ValueError(
+                    f"checkpoint master weight {i} is not a floating tensor: {tensor!r}"
+                )
+            if tensor.shape != master.shape:
+                raise ValueError(
+                    f"checkpoint master weight {i} has shape {tuple(tensor.shape)}; this model's "
+                    f"has {tuple(master.shape)}"
+                )
+        return list(tensors)
+
+    @torch.no_grad()
+    def load(self, tensors: list[torch.Tensor]) -> None:
+        for master, tensor in zip(self.masters, self.check(tensors), strict=True):
             master.copy_(tensor)
         self.refresh()
+
+
+@torch.no_grad()
+def _load_masters_first(
+    names: list[str],
+    master_of: dict[int, torch.Tensor],
+    module: nn.Module,
+    state_dict: Mapping[str, Any],
+    prefix: str,
+    *args: Any,
+) -> None:
+    """Before ``step.network`` loads values of a higher precision than its low copies,
+    write them to the masters at full precision."""
+    for name in names:
+        value = state_dict.get(prefix + name)
+        low = module._parameters.get(name)
+        master = None if low is None else master_of.get(id(low))
+        if (
+            master is not None
+            and low is not None
+            and isinstance(value, torch.Tensor)
+            and value.dtype != low.dtype
+            and value.shape == master.shape
+        ):
+            master.copy_(value)

@@ -1,24 +1,40 @@
-"""Loss scaling: the next-scale rule, host managers and functional scalers.
+"""Loss-scale policies: MindSpore's managers and functional scalers, on one core.
 
-Two layers. The tensor functions and the functional scalers (:class:`StaticLossScaler`,
-:class:`DynamicLossScaler`) keep their state in tensors and never synchronize with the host,
-so a step can run ahead of the device. The managers (:class:`FixedLossScaleManager`,
-:class:`DynamicLossScaleManager`, MindSpore's API) hold plain Python numbers, for a training
-step that already reads its overflow flag once per step.
+Both families are thin adapters around :class:`~mixprec.scale_state.LossScaleState` (the
+one implementation of the dynamic rule, its state in tensors on the gradients' device):
+
+* the functional scalers (:class:`StaticLossScaler`, :class:`DynamicLossScaler`) never
+  synchronize with the host, for hand-written loops;
+* the managers (:class:`FixedLossScaleManager`, :class:`DynamicLossScaleManager`) keep
+  MindSpore's API (``get_loss_scale()`` returns a Python float, which reads the device).
+  The training step drives their tensor state directly, without a host read.
+
+Every class has ``state_dict``/``load_state_dict`` in one scheme (state as 0-dim tensors,
+configuration as numbers), validated before anything is written.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-import numbers
-from collections.abc import Callable, Iterable, Mapping
+import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch.utils._pytree import tree_map_only
 
 from mixprec.grads import inverse_scale, to_device
+from mixprec.scale_state import (
+    Check,
+    LossScaleState,
+    check_bool,
+    check_count,
+    check_counter_below,
+    check_factor,
+    check_loss_scale,
+    check_steps,
+    load_state,
+    next_dynamic_scale,
+)
 
 __all__ = [
     "DynamicLossScaleManager",
@@ -31,91 +47,6 @@ __all__ = [
 ]
 
 _Scaler = TypeVar("_Scaler", bound="LossScaler")
-_Check = Callable[[object, str], Any]  # (value, argument name) -> the validated value
-
-
-def _check_number(value: object, name: str, *, low: float, strict: bool = False) -> float:
-    bound = f"{'>' if strict else '>='} {low:g}"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number {bound} (int or float); got {value!r}")
-    number = float(value)
-    if not math.isfinite(number) or number < low or (strict and number == low):
-        raise ValueError(f"{name} must be a finite number {bound}; got {value!r}")
-    return number
-
-
-_check_loss_scale = functools.partial(_check_number, low=1)
-_check_factor = functools.partial(_check_number, low=1, strict=True)
-
-
-def _check_count(value: object, name: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= {minimum} (not a bool); got {value!r}")
-    if int(value) < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
-    return int(value)
-
-
-_check_steps = functools.partial(_check_count, minimum=0)
-
-
-def _check_bool(value: object, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool (True or False); got {value!r}")
-    return value
-
-
-def _check_state(state: object, expected: Iterable[str], owner: str) -> Mapping[str, Any]:
-    if not isinstance(state, Mapping):
-        raise TypeError(f"{owner}.load_state_dict: state must be a dict; got {state!r}")
-    missing, unknown = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unknown:
-        raise ValueError(
-            f"{owner}.load_state_dict: state has missing keys {missing} and unknown keys "
-            f"{unknown}; expected exactly {sorted(expected)}"
-        )
-    return state
-
-
-def next_dynamic_scale(
-    scale: torch.Tensor,
-    counter: torch.Tensor,
-    finite: torch.Tensor | bool,
-    factor: float,
-    window: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dynamic loss-scale rule on tensors: returns the next ``(scale, counter)``.
-
-    Pure (new tensors, inputs unchanged) and sync-free (``torch.where``, never ``if``)::
-
-        if finite:
-            if counter == window - 1 and isfinite(scale * factor):
-                scale = scale * factor
-            counter = (counter + 1) % window
-        else:
-            scale = max(1, scale / factor)
-            counter = 0
-
-    ``scale`` is 0-dim float32, ``counter`` 0-dim int32 (clean steps since the last change),
-    ``finite`` a 0-dim bool tensor or a bool (True: no inf/NaN this step).
-
-    Example:
-        >>> next_dynamic_scale(torch.tensor(8.0), torch.tensor(2), True, 2, 3)
-        (tensor(16.), tensor(0))
-    """
-    factor = _check_factor(factor, "factor")
-    window = _check_count(window, "window")
-    grown = scale * factor
-    grown = torch.where(grown.isfinite() & (counter == window - 1), grown, scale)
-    backed_off = torch.clamp_min(scale / factor, 1.0)
-    if isinstance(finite, bool):  # known on the host: pick the branch here
-        return (grown, (counter + 1) % window) if finite else (backed_off, counter.new_zeros(()))
-    if not isinstance(finite, torch.Tensor) or finite.dtype != torch.bool:
-        got = finite.dtype if isinstance(finite, torch.Tensor) else repr(finite)  # no tensor repr
-        raise TypeError(f"finite must be a bool or a bool tensor (True = no overflow); got {got}")
-    finite = to_device(finite.reshape(()), scale.device)
-    new_counter = torch.where(finite, (counter + 1) % window, counter.new_zeros(()))
-    return torch.where(finite, grown, backed_off), new_counter
 
 
 def _mul_floating(tree: Any, factor: torch.Tensor) -> Any:
@@ -127,28 +58,61 @@ def _mul_floating(tree: Any, factor: torch.Tensor) -> Any:
     def mul(x: torch.Tensor) -> torch.Tensor:
         if not x.is_floating_point():
             return x
-        f = (
-            factor if factor.device.type == "cpu" else to_device(factor, x.device)
-        )  # CPU 0-dim: scalar
+        f = factor if factor.device.type == "cpu" else to_device(factor, x.device)
         return (x.to(torch.promote_types(x.dtype, torch.float32)) * f).to(x.dtype)
 
     return tree_map_only(torch.Tensor, mul, tree)
 
 
-class LossScaler:
-    """Base functional scaler: scales nothing and never adjusts (a pass-through).
+class _Adapter:
+    """Shared by managers and scalers: a :class:`LossScaleState` and its state dict.
 
-    Subclasses name their state: ``_TENSORS`` (0-dim tensors, attributes ``_<name>``) and
-    ``_CONFIG`` (numbers, with validators); ``state_dict``, ``load_state_dict``, ``to`` and
-    ``repr`` cover exactly those, with no host sync.
+    ``_STATE`` maps state-dict names to the core's tensors (``scale``, ``good_steps``,
+    ``bad_steps``); ``_CONFIG`` names configuration attributes (``_<name>``) with checks.
+    """
+
+    _STATE: ClassVar[dict[str, str]] = {}
+    _CONFIG: ClassVar[dict[str, Check]] = {}
+    _core: LossScaleState
+
+    def state_dict(self) -> dict[str, Any]:
+        """State entries as 0-dim tensor snapshots, configuration as numbers (no host sync)."""
+        state: dict[str, Any] = {
+            name: getattr(self._core, part).detach().clone() for name, part in self._STATE.items()
+        }
+        return state | {name: getattr(self, f"_{name}") for name in self._CONFIG}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load a state dict (numbers or one-element tensors); a bad one changes nothing."""
+        checks = {
+            name: check_loss_scale if part == "scale" else check_steps
+            for name, part in self._STATE.items()
+        }
+        values = load_state(state, checks | self._CONFIG, type(self).__name__)
+        window = values.get("scale_window")
+        for name, part in self._STATE.items():
+            if part == "good_steps" and window is not None:
+                check_counter_below(values[name], name, window)
+        for name, part in self._STATE.items():
+            getattr(self._core, part).fill_(values[name])
+        for name in self._CONFIG:
+            setattr(self, f"_{name}", values[name])
+        if self._core.dynamic:
+            self._core = dataclasses.replace(
+                self._core, factor=values["scale_factor"], window=values["scale_window"]
+            )
+
+
+class LossScaler(_Adapter):
+    """Base functional scaler: scales nothing and never adjusts (a pass-through).
 
     Example:
         >>> LossScaler().scale(torch.tensor(2.0))
         tensor(2.)
     """
 
-    _TENSORS: ClassVar[tuple[str, ...]] = ()
-    _CONFIG: ClassVar[dict[str, _Check]] = {}
+    def __init__(self) -> None:
+        self._core = LossScaleState.create(1.0)
 
     def scale(self, inputs: Any) -> Any:
         """Multiply every floating tensor in ``inputs`` (any nesting) by the loss scale."""
@@ -162,49 +126,36 @@ class LossScaler:
         """Update the scale from this step's overflow flag; True if the policy adjusts."""
         return False
 
-    def state_dict(self) -> dict[str, Any]:
-        state = {name: getattr(self, f"_{name}").detach().clone() for name in self._TENSORS}
-        return state | {name: getattr(self, f"_{name}") for name in self._CONFIG}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        state = _check_state(state, (*self._TENSORS, *self._CONFIG), type(self).__name__)
-        config = {name: check(state[name], name) for name, check in self._CONFIG.items()}
-        for name in self._TENSORS:
-            getattr(self, f"_{name}").copy_(torch.as_tensor(state[name]).reshape(()))
-        for name, value in config.items():
-            setattr(self, f"_{name}", value)
-
     def to(self: _Scaler, device: torch.device | str) -> _Scaler:
         """Move the state tensors to ``device``; returns ``self``."""
-        for name in self._TENSORS:
-            setattr(self, f"_{name}", getattr(self, f"_{name}").to(device))
+        self._core = self._core.to(device)
         return self
 
     def __repr__(self) -> str:
         args = [f"{name}={getattr(self, f'_{name}')!r}" for name in self._CONFIG]
-        if self._TENSORS:
-            args.append(f"device={getattr(self, f'_{self._TENSORS[0]}').device}")
+        if self._STATE:
+            args.append(f"device={self._core.scale.device}")
         return f"{type(self).__name__}({', '.join(args)})"
 
 
 class _TensorScaler(LossScaler):
     """A loss scale held in a 0-dim float32 tensor ``scale_value`` (shared implementation)."""
 
-    _TENSORS: ClassVar[tuple[str, ...]] = ("scale_value",)
+    _STATE: ClassVar[dict[str, str]] = {"scale_value": "scale"}
 
     def __init__(self, scale_value: float) -> None:
-        self._scale_value = torch.tensor(_check_loss_scale(scale_value, "scale_value"))
+        self._core = LossScaleState.create(scale_value, name="scale_value")
 
     @property
     def scale_value(self) -> torch.Tensor:
         """The loss scale, a 0-dim float32 tensor."""
-        return self._scale_value
+        return self._core.scale
 
     def scale(self, inputs: Any) -> Any:
-        return _mul_floating(inputs, self._scale_value)
+        return _mul_floating(inputs, self._core.scale)
 
     def unscale(self, inputs: Any) -> Any:
-        return _mul_floating(inputs, inverse_scale(self._scale_value))
+        return _mul_floating(inputs, inverse_scale(self._core.scale))
 
 
 class StaticLossScaler(_TensorScaler):
@@ -220,20 +171,9 @@ class StaticLossScaler(_TensorScaler):
 class DynamicLossScaler(_TensorScaler):
     """A loss scale that backs off on overflow and grows after a window of clean steps.
 
-    It looks for the largest scale that keeps the gradients finite. The state is two 0-dim
-    tensors, ``scale_value`` (float32) and ``counter`` (int32), updated in place by
-    :meth:`adjust` with no host sync (see :func:`next_dynamic_scale`)::
-
-        scale_value, counter = init, 0
-        for step in range(num_steps):
-            grads = grad(loss * scale_value) / scale_value
-            if all_finite(grads):
-                if counter == scale_window - 1 and isfinite(scale_value * scale_factor):
-                    scale_value *= scale_factor
-                counter = (counter + 1) % scale_window
-            else:
-                scale_value = max(1, scale_value / scale_factor)
-                counter = 0
+    The state is two 0-dim tensors, ``scale_value`` (float32) and ``counter`` (int32),
+    updated in place by :meth:`adjust` with no host sync (the rule is
+    :func:`~mixprec.scale_state.next_dynamic_scale`; the scale never leaves float32's range).
 
     Typical use::
 
@@ -251,87 +191,111 @@ class DynamicLossScaler(_TensorScaler):
         (True, tensor(512.), tensor(0, dtype=torch.int32))
     """
 
-    _TENSORS = ("scale_value", "counter")
-    _CONFIG: ClassVar[dict[str, _Check]] = {
-        "scale_factor": _check_factor,
-        "scale_window": _check_count,
+    _STATE: ClassVar[dict[str, str]] = {"scale_value": "scale", "counter": "good_steps"}
+    _CONFIG: ClassVar[dict[str, Check]] = {
+        "scale_factor": check_factor,
+        "scale_window": check_count,
     }
 
     def __init__(self, scale_value: float, scale_factor: float, scale_window: int) -> None:
-        super().__init__(scale_value)
-        self._counter = torch.zeros((), dtype=torch.int32)
-        self._scale_factor = _check_factor(scale_factor, "scale_factor")
-        self._scale_window = _check_count(scale_window, "scale_window")
+        self._core = LossScaleState.create(
+            scale_value, scale_factor, scale_window, name="scale_value"
+        )
+        self._scale_factor = self._core.factor
+        self._scale_window = self._core.window
 
     @property
     def counter(self) -> torch.Tensor:
         """Clean steps since the last change, a 0-dim int32 tensor."""
-        return self._counter
+        return self._core.good_steps
 
     @property
     def scale_factor(self) -> float:
-        return self._scale_factor
+        return self._scale_factor  # type: ignore[return-value]
 
     @property
     def scale_window(self) -> int:
         return self._scale_window
 
     def adjust(self, grads_finite: torch.Tensor | bool) -> bool:
-        """Apply :func:`next_dynamic_scale` in place; returns True (as MindSpore does)."""
-        scale, counter = next_dynamic_scale(
-            self._scale_value, self._counter, grads_finite, self._scale_factor, self._scale_window
-        )
-        self._scale_value.copy_(scale)
-        self._counter.copy_(counter)
+        """Apply the dynamic rule in place (no host sync); returns True (as MindSpore does)."""
+        self._core.assign(self._core.adjust(grads_finite))
         return True
 
 
-class LossScaleManager:
+class LossScaleManager(_Adapter):
     """Base loss-scale policy for a training step: scale 1, never changes, skips overflows.
 
-    Subclasses list their state in ``_FIELDS`` (name -> validator; attributes ``_<name>``);
-    ``state_dict``, ``load_state_dict`` and ``repr`` cover exactly those fields.
+    A subclass may override :meth:`get_loss_scale` and :meth:`update_loss_scale` (the
+    host API, as in MindSpore); the training step then calls them and reads its overflow
+    flag on the host once per step. The built-in managers are driven on the device.
 
     Example:
         >>> LossScaleManager().get_loss_scale()
         1.0
     """
 
-    _FIELDS: ClassVar[dict[str, _Check]] = {}
-    _loss_scale: float = 1.0
     _drop_overflow_update: bool = True
+
+    def __init__(self) -> None:
+        self._core = LossScaleState.create(1.0)
 
     @property
     def loss_scale(self) -> float:
-        return self._loss_scale
+        """The current loss scale (reads the device)."""
+        return float(self._core.scale)
 
     @property
     def drop_overflow_update(self) -> bool:
         return self._drop_overflow_update
 
     def get_loss_scale(self) -> float:
-        """The loss scale for the next step."""
-        return self._loss_scale
+        """The loss scale for the next step (a Python float: reads the device)."""
+        return float(self._core.scale)
 
-    def update_loss_scale(self, overflow: bool) -> None:
-        """Tell the policy whether this step's gradients overflowed."""
+    def update_loss_scale(self, overflow: bool | torch.Tensor) -> None:
+        """Tell the policy whether this step's gradients overflowed (a bool or bool tensor)."""
+        self._core.assign(self._core.adjust(_finite_of(overflow)))
 
     def get_drop_overflow_update(self) -> bool:
         """Whether the step checks for overflow and skips the optimizer step on one."""
         return self._drop_overflow_update
 
-    def state_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, f"_{name}") for name in self._FIELDS}
+    def device_state(self) -> LossScaleState | None:
+        """The tensor state the training step drives without a host sync, or None when a
+        subclass overrides the host API (the step then calls it)."""
+        own = type(self)
+        if (
+            own.get_loss_scale is not LossScaleManager.get_loss_scale
+            or own.update_loss_scale not in _CORE_UPDATES
+        ):
+            return None
+        return self._core
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        state = _check_state(state, self._FIELDS, type(self).__name__)
-        values = {name: check(state[name], name) for name, check in self._FIELDS.items()}
-        for name, value in values.items():  # all validated first: a bad state changes nothing
-            setattr(self, f"_{name}", value)
+    def _to(self, device: torch.device) -> None:
+        self._core = self._core.to(device)
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{name}={value!r}" for name, value in self.state_dict().items())
+        parts = {name: float(getattr(self._core, part)) for name, part in self._STATE.items()}
+        shown = {
+            name: (int(value) if self._STATE[name] != "scale" else value)
+            for name, value in parts.items()
+        } | {name: getattr(self, f"_{name}") for name in self._CONFIG}
+        order = [*self._ORDER] if self._ORDER else list(shown)
+        args = ", ".join(f"{name}={shown[name]!r}" for name in order)
         return f"{type(self).__name__}({args})"
+
+    _ORDER: ClassVar[tuple[str, ...]] = ()
+
+
+def _finite_of(overflow: bool | torch.Tensor) -> bool | torch.Tensor:
+    if isinstance(overflow, torch.Tensor):
+        if overflow.dtype != torch.bool:
+            overflow = overflow != 0
+        return ~overflow
+    if not isinstance(overflow, (bool, int)):
+        raise TypeError(f"overflow must be a bool or a bool tensor; got {overflow!r}")
+    return not overflow
 
 
 class FixedLossScaleManager(LossScaleManager):
@@ -347,18 +311,17 @@ class FixedLossScaleManager(LossScaleManager):
         128.0
     """
 
-    _FIELDS: ClassVar[dict[str, _Check]] = {
-        "loss_scale": _check_loss_scale,
-        "drop_overflow_update": _check_bool,
-    }
+    _STATE: ClassVar[dict[str, str]] = {"loss_scale": "scale"}
+    _CONFIG: ClassVar[dict[str, Check]] = {"drop_overflow_update": check_bool}
+    _ORDER = ("loss_scale", "drop_overflow_update")
 
     def __init__(self, loss_scale: float = 128.0, drop_overflow_update: bool = True) -> None:
-        self._loss_scale = _check_loss_scale(loss_scale, "loss_scale")
-        self._drop_overflow_update = _check_bool(drop_overflow_update, "drop_overflow_update")
+        self._core = LossScaleState.create(loss_scale, name="loss_scale")
+        self._drop_overflow_update = check_bool(drop_overflow_update, "drop_overflow_update")
 
 
 class DynamicLossScaleManager(LossScaleManager):
-    """MindSpore's dynamic loss scale, on the host.
+    """MindSpore's dynamic loss scale (state on the gradients' device).
 
     ``good_steps`` counts clean steps since the start or the last change of the scale,
     ``bad_steps`` consecutive overflows::
@@ -370,7 +333,7 @@ class DynamicLossScaleManager(LossScaleManager):
         else:
             good_steps, bad_steps = good_steps + 1, 0
             if good_steps == scale_window:
-                loss_scale *= scale_factor    # unless that is inf
+                loss_scale *= scale_factor    # unless that leaves float32's range
                 good_steps = 0
 
     Example:
@@ -383,26 +346,29 @@ class DynamicLossScaleManager(LossScaleManager):
 
     #: More consecutive overflows than this raise a RuntimeError.
     MAX_CONSECUTIVE_OVERFLOWS: ClassVar[int] = 1000
-    _FIELDS: ClassVar[dict[str, _Check]] = {
-        "loss_scale": _check_loss_scale,
-        "scale_factor": _check_factor,
-        "scale_window": _check_count,
-        "good_steps": _check_steps,
-        "bad_steps": _check_steps,
+    _STATE: ClassVar[dict[str, str]] = {
+        "loss_scale": "scale",
+        "good_steps": "good_steps",
+        "bad_steps": "bad_steps",
     }
+    _CONFIG: ClassVar[dict[str, Check]] = {
+        "scale_factor": check_factor,
+        "scale_window": check_count,
+    }
+    _ORDER = ("loss_scale", "scale_factor", "scale_window", "good_steps", "bad_steps")
 
     def __init__(
         self, init_loss_scale: float = 2**24, scale_factor: float = 2, scale_window: int = 2000
     ) -> None:
-        self._loss_scale = _check_loss_scale(init_loss_scale, "init_loss_scale")
-        self._scale_factor = _check_factor(scale_factor, "scale_factor")
-        self._scale_window = _check_count(scale_window, "scale_window")
-        self._good_steps = 0
-        self._bad_steps = 0
+        self._core = LossScaleState.create(
+            init_loss_scale, scale_factor, scale_window, name="init_loss_scale"
+        )
+        self._scale_factor = self._core.factor
+        self._scale_window = self._core.window
 
     @property
     def scale_factor(self) -> float:
-        return self._scale_factor
+        return self._scale_factor  # type: ignore[return-value]
 
     @property
     def scale_window(self) -> int:
@@ -410,34 +376,35 @@ class DynamicLossScaleManager(LossScaleManager):
 
     @property
     def good_steps(self) -> int:
-        """Clean steps since the start or the last change of the scale."""
-        return self._good_steps
+        """Clean steps since the start or the last change of the scale (reads the device)."""
+        return int(self._core.good_steps)
 
     @property
     def bad_steps(self) -> int:
-        """Consecutive overflowing steps."""
-        return self._bad_steps
+        """Consecutive overflowing steps (reads the device)."""
+        return int(self._core.bad_steps)
 
-    def update_loss_scale(self, overflow: bool) -> None:
+    def update_loss_scale(self, overflow: bool | torch.Tensor) -> None:
         """Back off on an overflow, grow after ``scale_window`` clean steps.
 
         Raises:
             RuntimeError: on the 1001st consecutive overflow.
         """
-        if not overflow:
-            self._bad_steps, self._good_steps = 0, self._good_steps + 1
-            if self._good_steps >= self._scale_window:
-                grown = self._loss_scale * self._scale_factor
-                self._loss_scale = grown if math.isfinite(grown) else self._loss_scale
-                self._good_steps = 0
-            return
-        self._loss_scale = max(self._loss_scale / self._scale_factor, 1.0)
-        self._good_steps, self._bad_steps = 0, self._bad_steps + 1
-        if self._bad_steps > self.MAX_CONSECUTIVE_OVERFLOWS:
-            raise RuntimeError(
-                f"DynamicLossScaleManager: the gradients overflowed (inf/NaN) on "
-                f"{self._bad_steps} consecutive steps although the loss scale is down to "
-                f"{self._loss_scale}, so the scale is not the cause. Check the data and the "
-                f"model for inf/NaN (e.g. log(0), a division by zero), lower the learning rate, "
-                f"or train in bfloat16, which has float32's range."
-            )
+        super().update_loss_scale(overflow)
+        bad = self.bad_steps
+        if bad > self.MAX_CONSECUTIVE_OVERFLOWS:
+            raise RuntimeError(overflow_limit_message(bad, self.get_loss_scale()))
+
+
+_CORE_UPDATES = (LossScaleManager.update_loss_scale, DynamicLossScaleManager.update_loss_scale)
+
+
+def overflow_limit_message(count: int, scale: float) -> str:
+    """The error after too many consecutive overflows: what to check, how to recover."""
+    return (
+        f"the gradients overflowed (inf/NaN) on {count} consecutive steps although the loss "
+        f"scale is {scale:g}, so the scale is not the cause. Check the data and the model for "
+        f"inf/NaN (e.g. log(0), a division by zero), lower the learning rate, or train in "
+        f"bfloat16, which has float32's range. To recover, fix the cause and call the step "
+        f"again: a clean step resets the count (or load the last good checkpoint)."
+    )

@@ -8,31 +8,47 @@ One call turns a model, its optimizer and a loss into a training step at a level
         if step.overflow:                  # the step was skipped, and says why
             print(f"skipped: gradients overflowed at loss scale {step.loss_scale}")
 
-Each call: forward; the loss in float32 (output and label cast first); backward on the
-scaled loss; (with master weights) low-precision gradients moved onto float32 masters;
-unscale (float64 reciprocal) and the overflow check, fused; one overflow decision for all
-ranks; clip; the optimizer step only when the gradients are finite (or when the
-loss-scale manager says not to drop); refresh of the low-precision weights; the
-loss-scale update. With ``accumulation_steps=N``, N calls make one optimizer step.
+Each call: forward (with master weights, outside writes reconciled first); the loss in float32
+(output and label cast first); backward on the loss times the scale (a device tensor);
+low-precision gradients moved onto float32 masters; unscale (float64 reciprocal) and the
+overflow check, fused; one overflow decision for all ranks; the ``after_unscale`` seam;
+clip; the optimizer step only when the gradients are finite (or when the manager says not
+to drop); refresh of the low-precision weights; the loss-scale update on the device; the
+``lr_scheduler`` on applied steps, ``after_skip`` on skipped ones. With
+``accumulation_steps=N``, N calls make one optimizer step. Whenever a step is abandoned
+(an exception in forward or backward, a skip, a raise) its gradients are cleared.
+
+Host syncs: at most one per optimizer step (reading the overflow flag before the optimizer
+step). With an optimizer that takes ``found_inf`` itself (``fused=True`` Adam, AdamW, SGD)
+there is none: the optimizer skips on the device, and ``overflow``, ``loss_scale`` and
+``skipped_steps`` are read lazily.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from mixprec.distributed import agree_on_overflow
-from mixprec.grads import any_non_finite, inverse_scale, unscale_grads_
+from mixprec.grads import inverse_scale, unscale_grads_
 from mixprec.levels import Level
 from mixprec.master import MasterWeights
 from mixprec.ops import cast_tree
-from mixprec.scaling import LossScaleManager
+from mixprec.scale_state import FLOAT32_MAX
+from mixprec.scaling import LossScaleManager, overflow_limit_message
+from mixprec.step_state import (
+    StepLedger,
+    check_checkpoint,
+    check_extra_state,
+    choose_initial_scale,
+)
 
-__all__ = ["TrainConfig", "TrainStep"]
+__all__ = ["StepHooks", "TrainConfig", "TrainStep"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +63,48 @@ class TrainConfig:
     accumulation_steps: int
     clip_grad_norm: float | None
     reason: str = ""
+    #: the first optimizer step runs at scale 1 and picks the scale from its gradients
+    auto_loss_scale: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHooks:
+    """The seams of a step; every one is optional and does nothing by default.
+
+    Attributes:
+        after_unscale: ``after_unscale(step, params)`` runs on every optimizer step after
+            the gradients (``p.grad`` for ``p`` in ``params``, the Parameters the optimizer
+            steps) are unscaled and the overflow flag is computed (``step.found_inf``, a
+            0-dim tensor), before clipping and the optimizer step: inspect, log or clip
+            there. The skip decision is already made from the gradients as they were.
+        after_skip: ``after_skip(step)`` runs after a skipped optimizer step.
+        lr_scheduler: stepped after every applied optimizer step, never after a skipped one.
+    """
+
+    after_unscale: Callable[[TrainStep, list[torch.Tensor]], None] | None = None
+    after_skip: Callable[[TrainStep], None] | None = None
+    lr_scheduler: Any = None
+
+    @property
+    def need_host_decision(self) -> bool:
+        """``after_skip`` and the scheduler need to know on the host whether the step ran."""
+        return self.after_skip is not None or self.lr_scheduler is not None
+
+
+def _as_loss(value: Any, source: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or not (value.is_floating_point()):
+        what = (
+            f"a {value.dtype} tensor"
+            if isinstance(value, torch.Tensor)
+            else f"{type(value).__name__}: {value!r}"
+        )
+        raise TypeError(
+            f"{source} must return the loss as a floating scalar tensor (computed from the "
+            f"output, so it has a gradient); got {what}"
+        )
+    if value.dim() != 0:
+        raise ValueError(f"the loss must be a scalar tensor; got shape {tuple(value.shape)}")
+    return value.float()
 
 
 def _loss_of(output: Any) -> torch.Tensor:
@@ -65,16 +123,45 @@ def _loss_of(output: Any) -> torch.Tensor:
     )
 
 
+def _fused_skip_ready(optimizer: torch.optim.Optimizer) -> bool:
+    """Can the optimizer skip a step on the device from ``found_inf``?
+
+    Fused Adam, AdamW and SGD can. A fused SGD with momentum whose momentum buffers do
+    not exist yet would keep uninitialised buffers after a skipped first step (torch
+    allocates them with ``empty_like``), so until its first applied step the decision
+    is made on the host.
+    """
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    for group in optimizer.param_groups:
+        if group.get("momentum", 0) and isinstance(optimizer, torch.optim.SGD):
+            for p in group["params"]:
+                if optimizer.state.get(p, {}).get("momentum_buffer") is None:
+                    return False
+    return True
+
+
 class TrainStep(nn.Module):
     """One training step per call (see :func:`build_train_network`).
 
     Attributes:
         network: the converted model (evaluate with ``step.network.eval()``).
-        optimizer: the optimizer; it steps float32 weights.
+        optimizer: the optimizer; with master weights it steps the float32 masters.
         overflow: whether the last optimizer step was skipped for non-finite gradients.
         skipped_steps: how many optimizer steps were skipped so far.
-        loss_scale: the current loss scale (1.0 without a manager).
+        loss_scale: the loss scale the next step uses (1.0 without a manager).
+        found_inf: the last step's overflow flag as a 0-dim float32 tensor (no sync).
+
+    ``overflow``, ``skipped_steps`` and ``loss_scale`` live on the device; reading one may
+    wait for it.
     """
+
+    #: a warning after this many consecutive skipped steps
+    OVERFLOW_WARNING_AFTER: ClassVar[int] = 50
+    #: a RuntimeError after more consecutive skipped steps than this
+    MAX_CONSECUTIVE_OVERFLOWS: ClassVar[int] = 1000
+    #: without a host sync per step, the limits are checked on every this-many-th step
+    LIMIT_CHECK_INTERVAL: ClassVar[int] = 50
 
     def __init__(
         self,
@@ -84,6 +171,7 @@ class TrainStep(nn.Module):
         config: TrainConfig,
         manager: LossScaleManager | None,
         masters: MasterWeights | None,
+        hooks: StepHooks | None = None,
     ) -> None:
         super().__init__()
         self.network = network
@@ -92,11 +180,14 @@ class TrainStep(nn.Module):
         self.config = config
         self.loss_scale_manager = manager
         self.masters = masters
-        self.overflow = False
-        self.skipped_steps = 0
+        self.hooks = hooks or StepHooks()
         self.optimizer_steps = 0
+        self.found_inf = torch.zeros(())
         self._micro_step = 0
+        self._ledger = StepLedger()
+        self._warned = False
 
+    # ------------------------------------------------------------------ what happened
     @property
     def level(self) -> Level:
         return self.config.level
@@ -106,36 +197,84 @@ class TrainStep(nn.Module):
         return self.config.dtype
 
     @property
-    def loss_scale(self) -> float:
-        return (
-            1.0
-            if self.loss_scale_manager is None
-            else float(self.loss_scale_manager.get_loss_scale())
-        )
+    def overflow(self) -> bool:
+        return self._ledger.read()[0]
 
+    @property
+    def skipped_steps(self) -> int:
+        return self._ledger.read()[1]
+
+    @property
+    def consecutive_overflows(self) -> int:
+        """Skipped optimizer steps in a row, up to the last one."""
+        return self._ledger.read()[2]
+
+    @property
+    def loss_scale(self) -> float:
+        manager = self.loss_scale_manager
+        if manager is None or self._warming_up:
+            return 1.0
+        state = manager.device_state()
+        return float(state.scale) if state is not None else float(manager.get_loss_scale())
+
+    @property
+    def _warming_up(self) -> bool:
+        return self.config.auto_loss_scale and self.optimizer_steps == 0
+
+    # ------------------------------------------------------------------ the step
     def forward(self, *inputs: Any, **kwargs: Any) -> torch.Tensor:
         """Run one micro-batch; returns its unscaled float32 loss (detached)."""
-        if self.loss_fn is not None:
-            if not inputs:
-                raise TypeError(
-                    "step(*inputs, label): the label is the last positional argument; got none"
+        try:
+            if self.loss_fn is not None:
+                if not inputs:
+                    raise TypeError(
+                        "step(*inputs, label): the label is the last positional argument; got none"
+                    )
+                *net_inputs, label = inputs
+                output = self.network(*net_inputs, **kwargs)
+                loss = _as_loss(
+                    self.loss_fn(cast_tree(output, torch.float32), cast_tree(label, torch.float32)),
+                    "loss_fn",
                 )
-            *net_inputs, label = inputs
-            output = self.network(*net_inputs, **kwargs)
-            loss = self.loss_fn(cast_tree(output, torch.float32), cast_tree(label, torch.float32))
-        else:
-            loss = _loss_of(self.network(*inputs, **kwargs))
-        loss = loss.float()
-        if loss.dim() != 0:
-            raise ValueError(f"the loss must be a scalar tensor; got shape {tuple(loss.shape)}")
-        (loss * (self.loss_scale / self.config.accumulation_steps)).backward()
-        if self.masters is not None:
-            self.masters.collect_grads()
+            else:
+                loss = _as_loss(_loss_of(self.network(*inputs, **kwargs)), "the network")
+            scale = self._scale_tensor(loss.device)
+            steps = self.config.accumulation_steps
+            if scale is not None:
+                (loss * (scale / steps)).backward()
+            else:
+                (loss / steps if steps > 1 else loss).backward()
+            if self.masters is not None:
+                self.masters.collect_grads()
+        except BaseException:
+            self._abandon()
+            raise
         self._micro_step += 1
         if self._micro_step == self.config.accumulation_steps:
             self._micro_step = 0
             self._step()
         return loss.detach()
+
+    def _scale_tensor(self, device: torch.device) -> torch.Tensor | None:
+        manager = self.loss_scale_manager
+        if manager is None or self._warming_up:
+            return None
+        state = manager.device_state()
+        if state is None:  # a manager with its own host API: a host float each step
+            return torch.tensor(float(manager.get_loss_scale()), device=device)
+        if state.scale.device != device:
+            manager._to(device)
+            state = manager.device_state()
+        assert state is not None
+        return state.scale
+
+    def _abandon(self) -> None:
+        """Drop every gradient of an abandoned step (and its accumulation)."""
+        self._micro_step = 0
+        if self.masters is not None:
+            self.masters.clear_grads()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.network.zero_grad(set_to_none=True)
 
     def _step(self) -> None:
         params = [
@@ -146,33 +285,99 @@ class TrainStep(nn.Module):
         ]
         grads = [p.grad for p in params]
         manager = self.loss_scale_manager
+        state = None if manager is None else manager.device_state()
         check = manager is None or manager.get_drop_overflow_update()
-        scale = self.loss_scale
-        overflow = False
-        if scale != 1.0 and grads:
-            inverse = inverse_scale(
-                torch.tensor(scale, dtype=torch.float64, device=grads[0].device)
+        device = grads[0].device if grads else self.found_inf.device
+        try:
+            scale = None if self._warming_up else self._scale_tensor(device)
+            # one fused pass unscales and checks; with no scale it multiplies by exactly 1,
+            # which on CPU is several times faster than an inf-norm reduction
+            inverse = torch.ones((), device=device) if scale is None else inverse_scale(scale)
+            found = unscale_grads_(grads, inverse)
+            found = agree_on_overflow(found) if check else torch.zeros_like(found)
+            self.found_inf = found
+            if self.hooks.after_unscale is not None:
+                self.hooks.after_unscale(self, params)
+            on_device = (
+                check
+                and (manager is None or state is not None)
+                and not self.hooks.need_host_decision
+                and _fused_skip_ready(self.optimizer)
             )
-            found_inf = unscale_grads_(grads, inverse)  # unscale and check in one fused pass
+            applied: bool | None = True  # without a check, every step is applied
             if check:
-                overflow = bool(agree_on_overflow(found_inf).item())  # the one host sync per step
-        elif check:
-            overflow = any_non_finite(grads)
-        if overflow:
-            self.skipped_steps += 1
-        else:
-            if self.config.clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
-            self.optimizer.step()
+                self._ledger.update(found)
+                applied = None if on_device else not self._ledger.read_now()[0]  # the one sync
+            if applied is not False:
+                if self.config.clip_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
+                self._optimizer_step(found if on_device else None)
+                if self.masters is not None:
+                    self.masters.refresh()
+            self._update_scale(manager, state, found, grads)
+            if applied is True and self.hooks.lr_scheduler is not None:
+                self.hooks.lr_scheduler.step()
+            if applied is False and self.hooks.after_skip is not None:
+                self.hooks.after_skip(self)
+        finally:
+            self.optimizer_steps += 1
             if self.masters is not None:
-                self.masters.refresh()
-        self.optimizer_steps += 1
-        self.overflow = overflow
-        if self.masters is not None:
-            self.masters.step_done()
-        if manager is not None:
-            manager.update_loss_scale(overflow)
-        self.optimizer.zero_grad(set_to_none=True)
+                self.masters.step_done()
+            self.optimizer.zero_grad(set_to_none=True)
+        if check:
+            self._check_limits(known=applied is not None)
+
+    def _optimizer_step(self, found_inf: torch.Tensor | None) -> None:
+        if found_inf is None:
+            self.optimizer.step()
+            return
+        optimizer: Any = self.optimizer
+        optimizer.grad_scale, optimizer.found_inf = None, found_inf  # the fused skip
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+
+    def _update_scale(
+        self,
+        manager: LossScaleManager | None,
+        state: Any,
+        found: torch.Tensor,
+        grads: list[torch.Tensor],
+    ) -> None:
+        if manager is None:
+            return
+        if state is None:
+            manager.update_loss_scale(self._ledger.read()[0])
+            return
+        finite = found == 0
+        if self._warming_up and state.dynamic:
+            chosen = choose_initial_scale(grads, self.config.dtype or torch.float16)
+            after = state.adjust(finite)
+            state.assign(dataclasses.replace(after, scale=torch.where(finite, chosen, after.scale)))
+        else:
+            state.assign(state.adjust(finite))
+
+    def _check_limits(self, known: bool) -> None:
+        if not known and self.optimizer_steps % self.LIMIT_CHECK_INTERVAL:
+            return
+        run = self._ledger.read()[2]
+        if run > self.MAX_CONSECUTIVE_OVERFLOWS:
+            raise RuntimeError(
+                "mixprec training step: "
+                + overflow_limit_message(run, min(self.loss_scale, FLOAT32_MAX))
+            )
+        if run >= self.OVERFLOW_WARNING_AFTER and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"mixprec training step: {run} optimizer steps in a row were skipped because "
+                f"the gradients held inf/NaN (loss scale {self.loss_scale:g}); nothing is "
+                f"training. After {self.MAX_CONSECUTIVE_OVERFLOWS} this becomes an error.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        elif run < self.OVERFLOW_WARNING_AFTER:
+            self._warned = False
 
     # ------------------------------------------------------------------ checkpoints
     def get_extra_state(self) -> dict[str, Any]:
@@ -181,31 +386,38 @@ class TrainStep(nn.Module):
                 f"cannot checkpoint in the middle of gradient accumulation ({self._micro_step} of "
                 f"{self.config.accumulation_steps} micro-batches done): save after an optimizer step"
             )
+        overflow, skipped, run = self._ledger.read()
+        manager = self.loss_scale_manager
         return {
-            "loss_scale_manager": None
-            if self.loss_scale_manager is None
-            else self.loss_scale_manager.state_dict(),
+            "format": 2,
+            "loss_scale_manager": None if manager is None else manager.state_dict(),
             "masters": None if self.masters is None else self.masters.state(),
-            "overflow": self.overflow,
-            "skipped_steps": self.skipped_steps,
+            "overflow": overflow,
+            "skipped_steps": skipped,
+            "consecutive_overflows": run,
             "optimizer_steps": self.optimizer_steps,
         }
 
     def set_extra_state(self, state: Any) -> None:
-        if not isinstance(state, Mapping):
-            raise ValueError(f"not a mixprec training-step checkpoint: {type(state).__name__}")
-        if (state.get("loss_scale_manager") is None) != (self.loss_scale_manager is None):
-            raise ValueError("the checkpoint and this step disagree on having a loss-scale manager")
+        state = check_extra_state(state, self.loss_scale_manager, self.masters)
         if self.loss_scale_manager is not None:
             self.loss_scale_manager.load_state_dict(state["loss_scale_manager"])
-        if (state.get("masters") is None) != (self.masters is None):
-            raise ValueError("the checkpoint and this step disagree on master weights")
         if self.masters is not None:
             self.masters.load(state["masters"])
-        self.overflow = bool(state["overflow"])
-        self.skipped_steps = int(state["skipped_steps"])
-        self.optimizer_steps = int(state["optimizer_steps"])
+        self._ledger.load(state["overflow"], state["skipped_steps"], state["consecutive_overflows"])
+        self.optimizer_steps = state["optimizer_steps"]
         self._micro_step = 0
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load a checkpoint; it is checked whole (keys, shapes, the scale and counters, the
+        master weights) before anything is written. Checkpoints of mixprec 0.1.0 load."""
+        check_checkpoint(self, state_dict, strict)
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if self.masters is not None:
+            self.masters.refresh()  # the masters are the checkpoint's truth
+        return result
 
     def extra_repr(self) -> str:
         c = self.config

@@ -45,7 +45,12 @@ from mixprec.dtypes import is_castable
 from mixprec.levels import Precision, Recipe
 from mixprec.ops import cast_tree
 
-__all__ = ["CastAtUseForward", "convert_module_level", "make_low_unit"]
+__all__ = [
+    "CastAtUseForward",
+    "convert_module_level",
+    "low_precision_parameters",
+    "make_low_unit",
+]
 
 
 @dataclass(frozen=True)
@@ -325,3 +330,30 @@ def make_low_unit(module: nn.Module, recipe: Recipe, prefix: str) -> nn.Module:
         level=recipe.level, dtype=recipe.dtype, low_pin=recipe.low_pin, fp32_pin=recipe.fp32_pin
     )
     return convert_module_level(module, unit_recipe, output_dtype=None, prefix=prefix, copy=False)
+
+
+def low_precision_parameters(
+    module: nn.Module,
+) -> tuple[torch.dtype, tuple[tuple[nn.Module, str], ...]]:
+    """The low dtype of a module converted at O2/O3 and the Parameters it casts at use.
+
+    Returns ``(dtype, ((owner, name), ...))``: ``getattr(owner, name)`` is a Parameter the
+    forward computes with in ``dtype``. Replacing it with ``setattr(owner, name, p)`` (a
+    Parameter already in ``dtype``) makes the forward use ``p`` as it is, with no cast.
+    This is how the training step gives the model low-precision Parameters of its own.
+
+    Raises:
+        TypeError: ``module`` was not converted at module level.
+
+    Example:
+        >>> net = mixprec.auto_mixed_precision(torch.nn.Linear(2, 2), "O2", "bf16")
+        >>> dtype, slots = low_precision_parameters(net)
+        >>> dtype, [name for _, name in slots]
+        (torch.bfloat16, ['weight', 'bias'])
+    """
+    forward = module.__dict__.get("forward")
+    if not isinstance(forward, CastAtUseForward):
+        raise TypeError(
+            f"expected a module converted at level O2 or O3; got {type(module).__name__}"
+        )
+    return forward.dtype, tuple((slot.owner, slot.name) for slot in forward.slots)
