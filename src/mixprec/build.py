@@ -16,17 +16,16 @@ import functools
 import inspect
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
 
-from mixprec import lists
-from mixprec.convert.api import _check_network, _pin, convert
+from mixprec.convert.api import check_network, convert
 from mixprec.distributed import ddp_of
-from mixprec.dtypes import device_of, resolve_dtype
-from mixprec.levels import Level, ModulePin, make_recipe, recommend
+from mixprec.dtypes import resolve_dtype
+from mixprec.levels import Level, Pins, Recipe, resolve
 from mixprec.master import MasterWeights
 from mixprec.scaling import DynamicLossScaleManager, LossScaleManager
 from mixprec.train import StepHooks, TrainConfig, TrainStep
@@ -35,7 +34,6 @@ __all__ = ["DEFAULT", "UnsupportedArgError", "build_train_network"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
-Pins = Iterable[str] | ModulePin | None
 
 
 class _Default(enum.Enum):
@@ -73,26 +71,6 @@ def _did_you_mean(function: Callable[_P, _R]) -> Callable[_P, _R]:
         return function(*args, **kwargs)
 
     return wrapper
-
-
-@dataclasses.dataclass(frozen=True)
-class ClassPin:
-    """Pins modules of the given classes (a picklable pin)."""
-
-    classes: tuple[type[nn.Module], ...]
-
-    def __call__(self, module: nn.Module, name: str) -> bool:
-        return isinstance(module, self.classes)
-
-
-@dataclasses.dataclass(frozen=True)
-class AnyPin:
-    """Pins a module when any of its pins does."""
-
-    pins: tuple[ModulePin, ...]
-
-    def __call__(self, module: nn.Module, name: str) -> bool:
-        return any(pin(module, name) for pin in self.pins)
 
 
 def _parse_cast_model_type(value: object) -> torch.dtype:
@@ -175,7 +153,7 @@ def _check_hooks(
 
 def _resolve(
     network: nn.Module,
-    level: Level,
+    level: str | Level,
     distributed: bool,
     dtype: torch.dtype | str | None,
     cast_model_type: torch.dtype | str | None,
@@ -183,16 +161,28 @@ def _resolve(
     master_weights: bool | None,
     accumulation_steps: int,
     clip_grad_norm: float | None,
-) -> TrainConfig:
-    device = device_of(network)
-    low = None if dtype is None else resolve_dtype(dtype)
-    reason = ""
-    if level is Level.AUTO:
-        level, low, reason = recommend(device, low)
-    if level is Level.O0:
-        low = None
-    elif low is None:
-        low = resolve_dtype(None, device)
+    fp32_modules: Pins,
+    low_modules: Pins,
+) -> tuple[TrainConfig, Recipe]:
+    """The conversion policy (by :func:`mixprec.levels.resolve`, as for every entry point)
+    and the training options on top of it."""
+    if keep_batchnorm_fp32 is not None and not isinstance(keep_batchnorm_fp32, bool):
+        raise TypeError(f"keep_batchnorm_fp32 must be a bool; got {keep_batchnorm_fp32!r}")
+    parsed = Level.parse(level, "level")
+    keep_bn = keep_batchnorm_fp32
+    if keep_bn is None:  # the level's default: norms in float32 at O2 only
+        keep_bn = parsed is Level.O2 or (parsed is Level.AUTO)
+    recipe = resolve(
+        network,
+        parsed,
+        dtype,
+        fp32_modules=fp32_modules,
+        low_modules=low_modules,
+        keep_batchnorm_fp32=keep_bn,
+        argument="level",
+    )
+    level = recipe.level
+    low = None if level is Level.O0 else recipe.dtype
     module_level = level in (Level.O2, Level.O3)
     if module_level:
         _check_float_parameters(network, level, low)
@@ -209,9 +199,6 @@ def _resolve(
     elif module_level and not distributed and low is not None:
         cast = low  # the model holds low-precision Parameters (O2/O3 default)
 
-    keep_bn = level is Level.O2 if keep_batchnorm_fp32 is None else keep_batchnorm_fp32
-    if not isinstance(keep_bn, bool):
-        raise TypeError(f"keep_batchnorm_fp32 must be a bool; got {keep_bn!r}")
     master = cast != torch.float32 if master_weights is None else master_weights
     if not isinstance(master, bool):
         raise TypeError(f"master_weights must be a bool; got {master!r}")
@@ -234,30 +221,17 @@ def _resolve(
         or clip <= 0
     ):
         raise ValueError(f"clip_grad_norm must be a positive finite number or None; got {clip!r}")
-    return TrainConfig(
-        level, low, cast, keep_bn, master, steps, None if clip is None else float(clip), reason
+    config = TrainConfig(
+        level,
+        low,
+        cast,
+        keep_bn and level is not Level.O0,
+        master,
+        steps,
+        None if clip is None else float(clip),
+        recipe.reason,
     )
-
-
-def _convert(
-    network: nn.Module, config: TrainConfig, low_pin: ModulePin | None, fp32_pin: ModulePin | None
-) -> nn.Module:
-    if config.level is Level.O0 or config.dtype is None:
-        return network
-    device = device_of(network)
-    if config.level in (Level.O2, Level.O3):
-        black = list(lists.BLACK_MODULES) if config.keep_batchnorm_fp32 else []
-        recipe = make_recipe(
-            Level.O2, config.dtype, device, black_list=black, low_pin=low_pin, fp32_pin=fp32_pin
-        )
-        recipe = dataclasses.replace(recipe, level=config.level)
-    else:
-        pins = [pin for pin in (fp32_pin,) if pin is not None]
-        if config.keep_batchnorm_fp32:
-            pins.append(ClassPin(lists.BLACK_MODULES))
-        fp32 = None if not pins else pins[0] if len(pins) == 1 else AnyPin(tuple(pins))
-        recipe = make_recipe(config.level, config.dtype, device, low_pin=low_pin, fp32_pin=fp32)
-    return convert(network, recipe)
+    return config, recipe
 
 
 @_did_you_mean
@@ -339,11 +313,11 @@ def build_train_network(
     hooks = _check_hooks(optimizer, lr_scheduler, after_unscale, after_skip)
 
     ddp = ddp_of(network)
-    inner = _check_network(ddp.module if ddp is not None else network)
+    inner = check_network(ddp.module if ddp is not None else network)
     _check_optimizer(optimizer, inner, loss_fn)
-    config = _resolve(
+    config, recipe = _resolve(
         inner,
-        Level.parse(level, "level"),
+        level,
         ddp is not None,
         dtype,
         cast_model_type,
@@ -351,10 +325,10 @@ def build_train_network(
         master_weights,
         accumulation_steps,
         clip_grad_norm,
+        fp32_modules,
+        low_modules,
     )
-    low_pin = _pin("low_modules", low_modules, inner)
-    fp32_pin = _pin("fp32_modules", fp32_modules, inner)
-    converted = _convert(inner, config, low_pin, fp32_pin)
+    converted = convert(inner, recipe)
     masters = None
     if config.cast_model_type != torch.float32:
         masters = MasterWeights.install(converted)

@@ -48,7 +48,7 @@ def get_black_list() -> list[type[nn.Module]]:
     return list(lists.BLACK_MODULES)
 
 
-def _check_network(network: object) -> nn.Module:
+def check_network(network: object) -> nn.Module:
     if not isinstance(network, nn.Module):
         raise TypeError(
             f"network must be a torch.nn.Module; got {type(network).__name__}: {network!r}"
@@ -103,7 +103,7 @@ def auto_mixed_precision(
         >>> fast(torch.randn(2, 8)).dtype
         torch.float32
     """
-    network = _check_network(network)
+    network = check_network(network)
     recipe = resolve(network, amp_level, dtype, fp32_modules=fp32_modules, low_modules=low_modules)
     if lint and recipe.level is not Level.O0:
         _warn_lint(network, recipe, fp32_modules)
@@ -129,7 +129,7 @@ def convert(network: nn.Module, recipe: Recipe) -> nn.Module:
         TypeError: ``network`` is not a module.
         ValueError: ``network`` (or a submodule) is already converted.
     """
-    network = _check_network(network)
+    network = check_network(network)
     if recipe.level is Level.O0:
         return network
     warn_if_slow(recipe.dtype, device_of(network))
@@ -161,7 +161,7 @@ def custom_mixed_precision(
     Example:
         >>> net = mixprec.custom_mixed_precision(model, white_list=[torch.nn.Linear, torch.matmul])
     """
-    network = _check_network(network)
+    network = check_network(network)
     if (white_list is None) == (black_list is None):
         given = "both" if white_list is not None else "neither"
         raise ValueError(

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.convert.api import _check_network, auto_mixed_precision
+from mixprec.convert.api import auto_mixed_precision, check_network
 from mixprec.convert.module_level import convert_module_level
 from mixprec.convert.structure import structural_copy
 from mixprec.diagnose.probes import preserved, tensor_leaves
@@ -246,7 +246,7 @@ def calibrate(
         >>> fast, report = mixprec.calibrate(model, x, dtype="fp16", tolerance=1e-2)
         >>> print(report)  # doctest: +SKIP
     """
-    network = _check_network(network)
+    network = check_network(network)
     policy = resolve(network, level, dtype, argument="level")
     parsed, low = policy.level, policy.dtype
     if parsed not in (Level.O2, Level.O3):
