@@ -270,3 +270,40 @@ def test_bad_arguments(kwargs: dict, error: type[Exception], match: str) -> None
 def test_not_a_module() -> None:
     with pytest.raises(TypeError, match="network must be a torch.nn.Module; got str"):
         mixprec.find_overflow("model", X)
+
+
+def test_debug_overflow_reports_a_skipped_step_without_changing_training() -> None:
+    """``build_train_network(debug_overflow=True)``: the skipped step's report names the
+    module, the warning points at the caller, and the weights end as without debugging."""
+
+    def run(debug: bool) -> tuple[mixprec.TrainStep, list[torch.Tensor], list[str]]:
+        torch.manual_seed(0)
+        model = MLP()
+        step = mixprec.build_train_network(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            nn.MSELoss(),
+            level="O2",
+            dtype="bf16",
+            debug_overflow=debug,
+        )
+        x, y = torch.randn(3, 16), torch.randn(3, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(x, y)
+            step(torch.full((3, 16), 3e38), y)  # the first layer's output overflows bf16
+            step(x, y)
+        lines = [f"{w.filename}: {w.message}" for w in caught if "debug_overflow" in str(w.message)]
+        return step, [p.detach().clone() for p in model.parameters()], lines
+
+    plain, plain_weights, _ = run(debug=False)
+    step, weights, lines = run(debug=True)
+    assert plain.skipped_steps == step.skipped_steps == 1
+    assert plain.last_overflow_report is None
+    report = step.last_overflow_report
+    assert report is not None
+    assert report.module == "net.0"
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights, strict=True))
+    assert len(lines) == 1
+    assert lines[0].startswith(f"{__file__}: mixprec debug_overflow: step skipped:")
+    assert "net.0" in lines[0]

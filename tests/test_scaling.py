@@ -23,7 +23,7 @@ from mixprec.scaling import (
 
 INF, NAN = float("inf"), float("nan")
 
-# REFERENCE.md: init 1024, factor 2, window 3.
+# MindSpore's published trace: init 1024, factor 2, window 3.
 MANAGER_OVERFLOWS = ["F", "F", "F", "F", "T", "F", "F", "F", "T", "T"]
 MANAGER_SCALES = [1024, 1024, 2048, 2048, 1024, 1024, 1024, 2048, 1024, 512]
 SCALER_FINITE = ["T", "T", "T", "T", "F", "T", "T", "T"]

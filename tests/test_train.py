@@ -38,7 +38,7 @@ def _poisoned(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_dynamic_scale_trace_through_the_step() -> None:
-    """REFERENCE.md: init 1024, factor 2, window 3, overflows F F F F T F F F T T."""
+    """MindSpore's published trace: init 1024, factor 2, window 3, overflows F F F F T F F F T T."""
     model = _model()
     step = amp.build_train_network(
         model,

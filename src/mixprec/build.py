@@ -15,13 +15,13 @@ import enum
 import functools
 import inspect
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
 
+from mixprec._warn import warn
 from mixprec.convert.api import check_network, convert
 from mixprec.distributed import ddp_of
 from mixprec.dtypes import resolve_dtype
@@ -126,11 +126,10 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, network: nn.Module, loss_
             "them the network's or the loss's): build it on network.parameters()"
         )
     if foreign:
-        warnings.warn(
+        warn(
             f"{len(foreign)} of the optimizer's {len(stepped)} parameters belong neither to the "
             "network nor to the loss: the step never gives them a gradient",
             UserWarning,
-            stacklevel=3,
         )
 
 
@@ -254,6 +253,7 @@ def build_train_network(
     lr_scheduler: Any = None,
     after_unscale: Callable[[TrainStep, list[torch.Tensor]], None] | None = None,
     after_skip: Callable[[TrainStep], None] | None = None,
+    debug_overflow: bool = False,
 ) -> TrainStep:
     """Build a mixed-precision training step.
 
@@ -278,6 +278,10 @@ def build_train_network(
         lr_scheduler: stepped after each applied optimizer step, never after a skipped one.
         after_unscale: ``after_unscale(step, params)``, between unscale and optimizer step.
         after_skip: ``after_skip(step)``, after a skipped optimizer step.
+        debug_overflow: on each skipped step, probe its batch with
+            :func:`mixprec.find_overflow` (no effect on training) and keep the report at
+            ``step.last_overflow_report``, with a one-line warning naming the module; costs
+            one host sync per step.
 
     Returns:
         A :class:`TrainStep`: ``loss = step(*inputs, label)`` (or ``step(*inputs, **kwargs)``
@@ -311,6 +315,8 @@ def build_train_network(
             f"loss_scale_manager must be a mixprec.LossScaleManager or None; got {manager!r}"
         )
     hooks = _check_hooks(optimizer, lr_scheduler, after_unscale, after_skip)
+    if not isinstance(debug_overflow, bool):
+        raise TypeError(f"debug_overflow must be a bool; got {debug_overflow!r}")
 
     ddp = ddp_of(network)
     inner = check_network(ddp.module if ddp is not None else network)
@@ -343,7 +349,16 @@ def build_train_network(
         if config.dtype == torch.float16:  # float16 gradients underflow without scaling
             manager = DynamicLossScaleManager(2.0**16)
             config = dataclasses.replace(config, auto_loss_scale=True)
-    return TrainStep(converted, optimizer, loss_fn, config, manager, masters, hooks)
+    return TrainStep(
+        converted,
+        optimizer,
+        loss_fn,
+        config,
+        manager,
+        masters,
+        hooks,
+        debug_overflow=debug_overflow,
+    )
 
 
 def _repoint(optimizer: torch.optim.Optimizer, masters: MasterWeights) -> None:

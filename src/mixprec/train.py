@@ -27,13 +27,13 @@ there is none: the optimizer skips on the device, and ``overflow``, ``loss_scale
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from mixprec._warn import warn
 from mixprec.distributed import agree_on_overflow
 from mixprec.grads import inverse_scale, unscale_grads_
 from mixprec.levels import Level
@@ -151,6 +151,9 @@ class TrainStep(nn.Module):
         skipped_steps: how many optimizer steps were skipped so far.
         loss_scale: the loss scale the next step uses (1.0 without a manager).
         found_inf: the last step's overflow flag as a 0-dim float32 tensor (no sync).
+        last_overflow_report: with ``debug_overflow=True``, the
+            :class:`~mixprec.diagnose.OverflowReport` of the last skipped step (the first
+            non-finite module forward and backward, and a fix); None before a skip.
 
     ``overflow``, ``skipped_steps`` and ``loss_scale`` live on the device; reading one may
     wait for it.
@@ -172,6 +175,8 @@ class TrainStep(nn.Module):
         manager: LossScaleManager | None,
         masters: MasterWeights | None,
         hooks: StepHooks | None = None,
+        *,
+        debug_overflow: bool = False,
     ) -> None:
         super().__init__()
         self.network = network
@@ -186,6 +191,16 @@ class TrainStep(nn.Module):
         self._micro_step = 0
         self._ledger = StepLedger()
         self._warned = False
+        self._debugger: Any = None
+        self._batch: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None
+        if debug_overflow:
+            from mixprec.diagnose.skip import OverflowDebugger
+
+            self._debugger = OverflowDebugger()
+
+    @property
+    def last_overflow_report(self) -> Any:
+        return None if self._debugger is None else self._debugger.last_report
 
     # ------------------------------------------------------------------ what happened
     @property
@@ -231,12 +246,16 @@ class TrainStep(nn.Module):
                         "step(*inputs, label): the label is the last positional argument; got none"
                     )
                 *net_inputs, label = inputs
+                if self._debugger is not None:
+                    self._batch = (tuple(net_inputs), kwargs, label)
                 output = self.network(*net_inputs, **kwargs)
                 loss = _as_loss(
                     self.loss_fn(cast_tree(output, torch.float32), cast_tree(label, torch.float32)),
                     "loss_fn",
                 )
             else:
+                if self._debugger is not None:
+                    self._batch = (inputs, kwargs, None)
                 loss = _as_loss(_loss_of(self.network(*inputs, **kwargs)), "the network")
             scale = self._scale_tensor(loss.device)
             steps = self.config.accumulation_steps
@@ -302,6 +321,7 @@ class TrainStep(nn.Module):
                 check
                 and (manager is None or state is not None)
                 and not self.hooks.need_host_decision
+                and self._debugger is None
                 and _fused_skip_ready(self.optimizer)
             )
             applied: bool | None = True  # without a check, every step is applied
@@ -317,6 +337,12 @@ class TrainStep(nn.Module):
             self._update_scale(manager, state, found, grads)
             if applied is True and self.hooks.lr_scheduler is not None:
                 self.hooks.lr_scheduler.step()
+            if applied is False and self._debugger is not None and self._batch is not None:
+                inputs, kwargs, label = self._batch
+                used = 1.0 if scale is None else float(scale)
+                self._debugger.after_skip(
+                    self.network, inputs, kwargs, self.loss_fn, label, loss_scale=used
+                )
             if applied is False and self.hooks.after_skip is not None:
                 self.hooks.after_skip(self)
         finally:
@@ -369,12 +395,11 @@ class TrainStep(nn.Module):
             )
         if run >= self.OVERFLOW_WARNING_AFTER and not self._warned:
             self._warned = True
-            warnings.warn(
+            warn(
                 f"mixprec training step: {run} optimizer steps in a row were skipped because "
                 f"the gradients held inf/NaN (loss scale {self.loss_scale:g}); nothing is "
                 f"training. After {self.MAX_CONSECUTIVE_OVERFLOWS} this becomes an error.",
                 RuntimeWarning,
-                stacklevel=3,
             )
         elif run < self.OVERFLOW_WARNING_AFTER:
             self._warned = False

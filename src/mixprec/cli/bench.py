@@ -280,7 +280,7 @@ def _check(case: str, goal: str, value: float, at_least: bool, bound: float) -> 
 
 
 def goals(results: Sequence[Result]) -> list[dict[str, Any]]:
-    """The issue's goals, checked per model: name, target, measured value, met."""
+    """mixprec's performance goals, checked per model: name, target, measured value, met."""
     checks: list[dict[str, Any]] = []
     by = {(r.case, r.variant): r for r in results}
     for case in dict.fromkeys(r.case for r in results):

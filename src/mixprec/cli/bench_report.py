@@ -71,7 +71,7 @@ def results_table(results: Sequence[Result], settings: BenchSettings) -> Table:
 
 
 def goals_table(results: Sequence[Result]) -> Table:
-    """The issue's goals: target, measured value, met or not, per model."""
+    """mixprec's performance goals: target, measured value, met or not, per model."""
     table = Table(title="goals (CPU, low precision)")
     for column in ("model", "goal", "target", "measured", "met"):
         table.add_column(column, justify="right" if column in ("measured", "met") else "left")

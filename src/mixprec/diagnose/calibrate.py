@@ -25,13 +25,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec._warn import warn
 from mixprec.convert.api import auto_mixed_precision, check_network
 from mixprec.convert.module_level import convert_module_level
 from mixprec.convert.structure import structural_copy
@@ -322,11 +322,10 @@ def calibrate(
         evaluations=search.evaluations,
     )
     if not met:
-        warnings.warn(
+        warn(
             f"calibrate: no set of float32 pins meets tolerance {tolerance:g} at {parsed.value} "
             f"{dtype_name(low)} (error {before:.4g} with none, best {error:.4g} with "
-            f"{len(pins)} of {len(ranked)}); returning the best found",
-            stacklevel=2,
+            f"{len(pins)} of {len(ranked)}); returning the best found"
         )
     return result, report
 

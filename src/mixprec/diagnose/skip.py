@@ -13,13 +13,13 @@ warning naming the module.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec._warn import warn
 from mixprec.convert.plan import Conversion
 from mixprec.convert.structure import conversion_of
 from mixprec.diagnose.overflow import (
@@ -112,16 +112,13 @@ class OverflowDebugger:
             self.backoffs += 1
             if self._first_scale is None:
                 self._first_scale = float(loss_scale)
-                warnings.warn(
+                warn(
                     f"mixprec debug_overflow: loss scale {loss_scale:g} is too high for this "
                     f"model (gradients finite at {report.fix.loss_scale:g}); skipped steps that "
-                    "are only the scale backing off are counted, not reported one by one",
-                    stacklevel=3,
+                    "are only the scale backing off are counted, not reported one by one"
                 )
         else:
-            warnings.warn(
-                f"mixprec debug_overflow: step skipped: {report.one_line()}", stacklevel=3
-            )
+            warn(f"mixprec debug_overflow: step skipped: {report.one_line()}")
         return report
 
     def summary(self) -> str:
