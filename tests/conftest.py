@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from mixprec import dtypes, hardware
+from mixprec.policy import dtypes, hardware
 
 #: A CPU with bfloat16 dot products (Sapphire Rapids: avx512_bf16 and AMX).
 NATIVE_BF16 = hardware.CpuFeatures(

@@ -11,9 +11,9 @@ from torch import nn
 
 import mixprec as amp
 from helpers import MLP
-from mixprec import lists
-from mixprec.dtypes import resolve_dtype
-from mixprec.ops import op_key, op_name
+from mixprec.policy import lists
+from mixprec.policy.dtypes import resolve_dtype
+from mixprec.policy.ops import op_key, op_name
 
 PUBLIC = {
     "CalibrationReport",

@@ -15,7 +15,7 @@ from torch import fx, nn
 
 import mixprec as amp
 from helpers import MLP, ConvBranch, SmallCNN, TinyTransformer, count_casts, rel_error
-from mixprec import ops
+from mixprec.policy import ops
 
 BF16_TOL = 3e-2  # relative error of a small network in bfloat16 against float32
 
@@ -408,7 +408,7 @@ def test_print_deepcopy_pickle_state_dict() -> None:
     model.register_buffer("unused", torch.ones(2))
     model.register_buffer("scratch", torch.ones(3), persistent=False)
     converted = amp.auto_mixed_precision(model, "O1", "bf16")
-    assert "mixprec_ops_cast(x, torch.bfloat16)" in converted.code
+    assert "mixprec_policy_ops_cast(x, torch.bfloat16)" in converted.code
     assert "mixprec: level=O1, dtype=bfloat16" in repr(converted)
     assert list(converted.state_dict()) == list(model.state_dict())
     x = torch.randn(2, 3, 6, 6)

@@ -14,8 +14,8 @@ import torch
 import mixprec as amp
 from conftest import AVX2_ONLY, AVX512_NO_BF16, NATIVE_BF16, fake_cpu
 from helpers import MLP
-from mixprec import dtypes, hardware
-from mixprec.levels import Level, recommend
+from mixprec.policy import dtypes, hardware
+from mixprec.policy.levels import Level, recommend
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Tests for mixprec.scaling: traces, state round-trips, validation, overflow checks, no syncs."""
+"""Tests for mixprec.training.scaling: traces, state round-trips, validation, overflow checks, no syncs."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from mixprec.grads import all_finite, inverse_scale, unscale_grads_
-from mixprec.scaling import (
+from mixprec.training.grads import all_finite, inverse_scale, unscale_grads_
+from mixprec.training.scaling import (
     DynamicLossScaleManager,
     DynamicLossScaler,
     FixedLossScaleManager,

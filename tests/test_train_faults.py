@@ -11,7 +11,7 @@ from torch import nn
 
 import mixprec as amp
 from helpers import MLP
-from mixprec.scaling import DynamicLossScaler
+from mixprec.training.scaling import DynamicLossScaler
 
 INF, NAN = float("inf"), float("nan")
 

@@ -5,7 +5,6 @@ time and a cast plan you can read before running; a training step with loss scal
 that says when and why it skipped.
 """
 
-from mixprec.build import build_train_network
 from mixprec.convert.api import (
     auto_mixed_precision,
     custom_mixed_precision,
@@ -21,9 +20,10 @@ from mixprec.diagnose import (
     find_overflow,
     lint,
 )
-from mixprec.grads import all_finite
-from mixprec.levels import Level
-from mixprec.scaling import (
+from mixprec.policy.levels import Level
+from mixprec.training.build import build_train_network
+from mixprec.training.grads import all_finite
+from mixprec.training.scaling import (
     DynamicLossScaleManager,
     DynamicLossScaler,
     FixedLossScaleManager,
@@ -31,7 +31,7 @@ from mixprec.scaling import (
     LossScaler,
     StaticLossScaler,
 )
-from mixprec.train import TrainStep
+from mixprec.training.step import TrainStep
 
 __all__ = [
     "CalibrationReport",

@@ -32,8 +32,8 @@ from torch import nn
 import mixprec
 from mixprec.cli import models
 from mixprec.cli.measure import median_ms
-from mixprec.dtypes import resolve_dtype
 from mixprec.inspect import CastCounter, SavedBytes
+from mixprec.policy.dtypes import resolve_dtype
 
 __all__ = ["BenchSettings", "Case", "Result", "cases", "run_bench", "settings_from_args"]
 

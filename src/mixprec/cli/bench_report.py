@@ -10,7 +10,7 @@ from rich.table import Table
 
 from mixprec.cli.bench import BenchSettings, Result, goals
 from mixprec.cli.measure import format_bytes
-from mixprec.dtypes import dtype_name
+from mixprec.policy.dtypes import dtype_name
 
 __all__ = ["BENCH_COLUMNS", "bench_dict", "goals_table", "results_table"]
 

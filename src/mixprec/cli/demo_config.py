@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mixprec.dtypes import resolve_dtype
+from mixprec.policy.dtypes import resolve_dtype
 
 __all__ = ["LEVEL_CHOICES", "DemoConfig", "config_from_args", "parse_levels"]
 

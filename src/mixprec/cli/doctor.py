@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from mixprec.dtypes import dtype_name
-from mixprec.hardware import cpu_features, is_native
-from mixprec.levels import recommend
+from mixprec.policy.dtypes import dtype_name
+from mixprec.policy.hardware import cpu_features, is_native
+from mixprec.policy.levels import recommend
 
 __all__ = ["diagnose", "gemm_gflops", "render"]
 

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.dtypes import dtype_name, resolve_dtype
-from mixprec.levels import Level
+from mixprec.policy.dtypes import dtype_name, resolve_dtype
+from mixprec.policy.levels import Level
 
 __all__ = ["InputSpec", "PlanError", "load_factory", "parse_input", "run_plan"]
 

@@ -1,8 +1,8 @@
 """The conversion entry points: ``auto_mixed_precision`` and ``custom_mixed_precision``.
 
 Arguments are parsed and validated here, at the edge; inside, code passes
-:class:`~mixprec.levels.Level` members, ``torch.dtype`` and a frozen
-:class:`~mixprec.levels.Recipe`.
+:class:`~mixprec.policy.levels.Level` members, ``torch.dtype`` and a frozen
+:class:`~mixprec.policy.levels.Recipe`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from mixprec import lists
 from mixprec._warn import warn
 from mixprec.convert.graph import convert_graph
 from mixprec.convert.module_level import convert_module_level
 from mixprec.convert.structure import find_converted
-from mixprec.dtypes import device_of, dtype_name, warn_if_slow
-from mixprec.levels import Level, Pins, Recipe, check_list, resolve
+from mixprec.policy import lists
+from mixprec.policy.dtypes import device_of, dtype_name, warn_if_slow
+from mixprec.policy.levels import Level, Pins, Recipe, check_list, resolve
 
 __all__ = ["auto_mixed_precision", "custom_mixed_precision", "get_black_list", "get_white_list"]
 

@@ -24,7 +24,7 @@ from torch import fx, nn
 from torch.fx._symbolic_trace import _assert_is_none
 from torch.fx.proxy import TraceError
 
-from mixprec import ops
+from mixprec.policy import ops
 
 __all__ = ["CaptureTracer", "Captured", "capture"]
 

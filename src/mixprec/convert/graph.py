@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from mixprec import lists, ops
 from mixprec.convert.capture import capture
 from mixprec.convert.infer import Info, infer
 from mixprec.convert.insert import insert_casts
@@ -33,7 +32,8 @@ from mixprec.convert.rows import graph_rows
 from mixprec.convert.runtime import RuntimeForward, stand_aside
 from mixprec.convert.simplify import simplify
 from mixprec.convert.structure import CONVERSION_ATTR, structural_copy
-from mixprec.levels import Precision, Recipe
+from mixprec.policy import lists, ops
+from mixprec.policy.levels import Precision, Recipe
 
 __all__ = ["MixedPrecisionGraphModule", "convert_graph"]
 

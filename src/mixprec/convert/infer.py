@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from mixprec import ops
+from mixprec.policy import ops
 
 __all__ = ["Info", "infer"]
 

@@ -1,6 +1,6 @@
 """Cast insertion for O1 and the autocast level.
 
-Each op of the graph gets a precision from :meth:`mixprec.levels.Recipe.decide` and its
+Each op of the graph gets a precision from :meth:`mixprec.policy.levels.Recipe.decide` and its
 floating inputs are cast accordingly:
 
 * LOW: floating inputs (weights included) cast to the low dtype; under O1 the result is
@@ -10,7 +10,7 @@ floating inputs are cast accordingly:
 * PROMOTE: every floating input cast to the widest floating input type, found at run time;
 * FOLLOW: nothing.
 
-Casts are :func:`mixprec.ops.cast` calls, tagged in ``node.meta["mixprec_cast"]`` with
+Casts are :func:`mixprec.policy.ops.cast` calls, tagged in ``node.meta["mixprec_cast"]`` with
 where they were inserted ("before" an op, "after" it, or at the "output").
 """
 
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import fx
 
-from mixprec import ops
 from mixprec.convert.infer import Info
-from mixprec.levels import Level, Precision, Recipe
+from mixprec.policy import ops
+from mixprec.policy.levels import Level, Precision, Recipe
 
 __all__ = ["CAST_TAG", "PRECISION_TAG", "insert_casts", "is_helper", "is_mutation", "mutated"]
 

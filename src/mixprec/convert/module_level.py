@@ -38,12 +38,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec import lists
 from mixprec.convert.plan import CastPlan, Conversion, PlanRow, dtype_name
 from mixprec.convert.structure import CONVERSION_ATTR, structural_copy
-from mixprec.dtypes import is_castable
-from mixprec.levels import Precision, Recipe
-from mixprec.ops import cast_tree
+from mixprec.policy import lists
+from mixprec.policy.dtypes import is_castable
+from mixprec.policy.levels import Precision, Recipe
+from mixprec.policy.ops import cast_tree
 
 __all__ = [
     "CastAtUseForward",

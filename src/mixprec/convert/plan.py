@@ -17,8 +17,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from mixprec.convert.structure import conversion_of
-from mixprec.dtypes import dtype_name, is_castable
-from mixprec.levels import Recipe
+from mixprec.policy.dtypes import dtype_name, is_castable
+from mixprec.policy.levels import Recipe
 
 __all__ = ["CastPlan", "Conversion", "PlanRow", "explain"]
 

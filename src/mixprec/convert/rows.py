@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from mixprec import ops
 from mixprec.convert.infer import Info, infer
 from mixprec.convert.insert import CAST_TAG, PRECISION_TAG, is_helper
 from mixprec.convert.plan import PlanRow, dtype_name
-from mixprec.levels import Precision, Recipe
+from mixprec.policy import ops
+from mixprec.policy.levels import Precision, Recipe
 
 __all__ = ["graph_rows"]
 

@@ -4,7 +4,7 @@ A module whose own ``forward`` cannot be traced keeps its class and code; its ch
 are converted like any other part of the model, and the ops of its own ``forward`` run
 under :class:`RuntimeListMode`, a ``TorchFunctionMode`` that makes, call by call, the
 decision the graph rewrite would have made ahead of time (the same
-:meth:`mixprec.levels.Recipe.decide`). The mode is entered with a ``with`` block, so it is
+:meth:`mixprec.policy.levels.Recipe.decide`). The mode is entered with a ``with`` block, so it is
 exited even when the forward raises, and it stands aside while a converted child runs
 (the child has its own casts already).
 """
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from mixprec.levels import Level, Precision, Recipe
-from mixprec.ops import cast_tree, op_key, widest_dtype
+from mixprec.policy.levels import Level, Precision, Recipe
+from mixprec.policy.ops import cast_tree, op_key, widest_dtype
 
 __all__ = ["RuntimeForward", "RuntimeListMode", "stand_aside"]
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from mixprec import ops
 from mixprec.convert.infer import Info, infer
 from mixprec.convert.insert import CAST_TAG, is_helper, mutated
+from mixprec.policy import ops
 
 __all__ = ["VALUE_PRESERVING", "count_casts", "simplify"]
 

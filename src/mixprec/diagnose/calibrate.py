@@ -37,8 +37,8 @@ from mixprec.convert.module_level import convert_module_level
 from mixprec.convert.structure import structural_copy
 from mixprec.diagnose.probes import preserved, tensor_leaves
 from mixprec.diagnose.report import dtype_name
-from mixprec.dtypes import device_of
-from mixprec.levels import Level, PathPin, make_recipe, resolve
+from mixprec.policy.dtypes import device_of
+from mixprec.policy.levels import Level, PathPin, make_recipe, resolve
 
 __all__ = ["CalibrationReport", "ModuleSensitivity", "calibrate", "relative_error"]
 

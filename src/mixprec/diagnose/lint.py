@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec import lists
 from mixprec.convert.module_level import convert_module_level
 from mixprec.diagnose.report import dtype_name
-from mixprec.dtypes import device_of
-from mixprec.levels import Level, Recipe, make_recipe, resolve
-from mixprec.scaling import FixedLossScaleManager, LossScaleManager, StaticLossScaler
+from mixprec.policy import lists
+from mixprec.policy.dtypes import device_of
+from mixprec.policy.levels import Level, Recipe, make_recipe, resolve
+from mixprec.training.scaling import FixedLossScaleManager, LossScaleManager, StaticLossScaler
 
 __all__ = ["Finding", "FindingKind", "LintReport", "lint"]
 

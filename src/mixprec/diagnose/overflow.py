@@ -31,9 +31,9 @@ from mixprec.convert.plan import Conversion
 from mixprec.convert.structure import conversion_of
 from mixprec.diagnose.probes import Event, Phase, Recorder, preserved, tensor_leaves
 from mixprec.diagnose.report import Culprit, Fix, FixKind, OverflowReport, dtype_name
-from mixprec.dtypes import device_of, resolve_dtype
-from mixprec.levels import Level, recommend
-from mixprec.ops import cast_tree
+from mixprec.policy.dtypes import device_of, resolve_dtype
+from mixprec.policy.levels import Level, recommend
+from mixprec.policy.ops import cast_tree
 
 __all__ = ["find_overflow", "probe"]
 

@@ -31,7 +31,7 @@ from mixprec.diagnose.overflow import (
     report_of,
 )
 from mixprec.diagnose.report import OverflowReport
-from mixprec.levels import Level
+from mixprec.policy.levels import Level
 
 __all__ = ["OverflowDebugger", "probe_skipped_step"]
 

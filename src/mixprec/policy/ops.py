@@ -1,7 +1,7 @@
 """The few operations a converted model runs: casts, and the names that lists key on.
 
 Converted graphs call :func:`cast` and :func:`widest_dtype`, so they appear by these
-qualified names in generated code (``mixprec_ops_cast(x, torch.bfloat16)``). Both are
+qualified names in generated code (``mixprec_policy_ops_cast(x, torch.bfloat16)``). Both are
 no-ops on anything mixprec must not touch: integer and bool tensors, float64 tensors,
 ``None`` and non-tensors, so a cast that turns out to be unnecessary at run time costs
 one Python call and no kernel.
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from mixprec.dtypes import is_castable
+from mixprec.policy.dtypes import is_castable
 
 __all__ = ["cast", "cast_tree", "op_key", "op_name", "widest_dtype"]
 

@@ -2,9 +2,9 @@
 
 MindSpore's positional parameters come first (``network, optimizer, loss_fn, level,
 boost_level``), then keyword-only options, each a named, typed parameter. The options are
-resolved against the level's defaults into a frozen :class:`~mixprec.train.TrainConfig`;
+resolved against the level's defaults into a frozen :class:`~mixprec.training.step.TrainConfig`;
 the network is converted; with low-precision Parameters the float32 masters are installed;
-a fresh loss-scale manager is made. The step itself is :class:`mixprec.train.TrainStep`.
+a fresh loss-scale manager is made. The step itself is :class:`mixprec.training.step.TrainStep`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from torch import nn
 
 from mixprec._warn import warn
 from mixprec.convert.api import check_network, convert
-from mixprec.distributed import ddp_of
-from mixprec.dtypes import resolve_dtype
-from mixprec.levels import Level, Pins, Recipe, resolve
-from mixprec.master import MasterWeights
-from mixprec.scaling import DynamicLossScaleManager, LossScaleManager
-from mixprec.train import StepHooks, TrainConfig, TrainStep
+from mixprec.policy.dtypes import resolve_dtype
+from mixprec.policy.levels import Level, Pins, Recipe, resolve
+from mixprec.training.distributed import ddp_of
+from mixprec.training.master import MasterWeights
+from mixprec.training.scaling import DynamicLossScaleManager, LossScaleManager
+from mixprec.training.step import StepHooks, TrainConfig, TrainStep
 
 __all__ = ["DEFAULT", "UnsupportedArgError", "build_train_network"]
 
@@ -163,7 +163,7 @@ def _resolve(
     fp32_modules: Pins,
     low_modules: Pins,
 ) -> tuple[TrainConfig, Recipe]:
-    """The conversion policy (by :func:`mixprec.levels.resolve`, as for every entry point)
+    """The conversion policy (by :func:`mixprec.policy.levels.resolve`, as for every entry point)
     and the training options on top of it."""
     if keep_batchnorm_fp32 is not None and not isinstance(keep_batchnorm_fp32, bool):
         raise TypeError(f"keep_batchnorm_fp32 must be a bool; got {keep_batchnorm_fp32!r}")

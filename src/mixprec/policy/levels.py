@@ -38,16 +38,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec import lists
 from mixprec._warn import warn
-from mixprec.dtypes import (
+from mixprec.policy import lists
+from mixprec.policy.dtypes import (
     default_low_dtype,
     device_of,
     dtype_name,
     has_native_low_precision,
     resolve_dtype,
 )
-from mixprec.ops import op_key
+from mixprec.policy.ops import op_key
 
 __all__ = ["Level", "ModulePin", "Pins", "Precision", "Recipe", "recommend", "resolve"]
 
@@ -114,7 +114,7 @@ class Recipe:
         dtype: the low-precision dtype.
         device_type: ``"cpu"`` or ``"cuda"``: whose autocast lists the AUTOCAST level uses.
         white_modules: module classes computing low (O1), whole.
-        low_ops / fp32_ops / promote_ops: op keys (see :func:`mixprec.ops.op_key`).
+        low_ops / fp32_ops / promote_ops: op keys (see :func:`mixprec.policy.ops.op_key`).
         black_modules: module classes kept in float32 (O2).
         unit_modules: module classes the AUTOCAST level runs whole in low precision when
             they cannot be traced.
@@ -261,7 +261,7 @@ def recommend(
     A GPU: O2 (bfloat16 where supported, else float16 with dynamic loss scaling); a CPU
     with native bfloat16: O2 bfloat16; any other CPU: O0, with a warning. An explicit
     ``dtype`` is respected (O2 in that dtype). What counts as native is
-    :func:`mixprec.hardware.is_native`'s answer.
+    :func:`mixprec.policy.hardware.is_native`'s answer.
 
     Args:
         device: where the model lives.

@@ -34,14 +34,14 @@ import torch
 from torch import nn
 
 from mixprec._warn import warn
-from mixprec.distributed import agree_on_overflow
-from mixprec.grads import inverse_scale, unscale_grads_
-from mixprec.levels import Level
-from mixprec.master import MasterWeights
-from mixprec.ops import cast_tree
-from mixprec.scale_state import FLOAT32_MAX
-from mixprec.scaling import LossScaleManager, overflow_limit_message
-from mixprec.step_state import (
+from mixprec.policy.levels import Level
+from mixprec.policy.ops import cast_tree
+from mixprec.training.distributed import agree_on_overflow
+from mixprec.training.grads import inverse_scale, unscale_grads_
+from mixprec.training.master import MasterWeights
+from mixprec.training.scale_state import FLOAT32_MAX
+from mixprec.training.scaling import LossScaleManager, overflow_limit_message
+from mixprec.training.step_state import (
     StepLedger,
     check_checkpoint,
     check_extra_state,

@@ -1,6 +1,6 @@
 """Loss-scale policies: MindSpore's managers and functional scalers, on one core.
 
-Both families are thin adapters around :class:`~mixprec.scale_state.LossScaleState` (the
+Both families are thin adapters around :class:`~mixprec.training.scale_state.LossScaleState` (the
 one implementation of the dynamic rule, its state in tensors on the gradients' device):
 
 * the functional scalers (:class:`StaticLossScaler`, :class:`DynamicLossScaler`) never
@@ -22,8 +22,8 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch.utils._pytree import tree_map_only
 
-from mixprec.grads import inverse_scale, to_device
-from mixprec.scale_state import (
+from mixprec.training.grads import inverse_scale, to_device
+from mixprec.training.scale_state import (
     Check,
     LossScaleState,
     check_bool,
@@ -173,7 +173,7 @@ class DynamicLossScaler(_TensorScaler):
 
     The state is two 0-dim tensors, ``scale_value`` (float32) and ``counter`` (int32),
     updated in place by :meth:`adjust` with no host sync (the rule is
-    :func:`~mixprec.scale_state.next_dynamic_scale`; the scale never leaves float32's range).
+    :func:`~mixprec.training.scale_state.next_dynamic_scale`; the scale never leaves float32's range).
 
     Typical use::
 

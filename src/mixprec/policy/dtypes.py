@@ -12,7 +12,7 @@ import functools
 import torch
 
 from mixprec._warn import warn
-from mixprec.hardware import cpu_features, is_native
+from mixprec.policy.hardware import cpu_features, is_native
 
 __all__ = [
     "LOW_DTYPES",
@@ -81,7 +81,7 @@ def default_low_dtype(device: torch.device | str | None = None) -> torch.dtype:
 def has_native_low_precision(device: torch.device | str | None = None) -> bool:
     """Whether ``device`` runs :func:`default_low_dtype` matmuls natively (fast).
 
-    See :mod:`mixprec.hardware` for what counts as native on each device.
+    See :mod:`mixprec.policy.hardware` for what counts as native on each device.
     """
     return is_native(default_low_dtype(device), device)
 

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.master import MasterWeights
-from mixprec.scaling import LossScaleManager
+from mixprec.training.master import MasterWeights
+from mixprec.training.scaling import LossScaleManager
 
 if TYPE_CHECKING:
-    from mixprec.train import TrainStep
+    from mixprec.training.step import TrainStep
 
 __all__ = ["StepLedger", "check_checkpoint", "check_extra_state", "choose_initial_scale"]
 

@@ -1,0 +1,11 @@
+"""The training wing: the step that ``build_train_network`` returns, and what it uses.
+
+- :mod:`.build`: ``build_train_network``, options resolved into a :class:`~.step.TrainConfig`;
+- :mod:`.step`: :class:`~.step.TrainStep`, its seams (:class:`~.step.StepHooks`);
+- :mod:`.step_state`: the step's overflow ledger on the device (one read per step);
+- :mod:`.scale_state`: the one loss-scale core (state in device tensors);
+- :mod:`.scaling`: MindSpore's loss-scale managers and functional scalers on that core;
+- :mod:`.grads`: finiteness checks and fused unscaling;
+- :mod:`.master`: float32 master weights for low-precision parameters;
+- :mod:`.distributed`: one overflow decision for every rank.
+"""
