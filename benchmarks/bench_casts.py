@@ -9,17 +9,16 @@ Run: python benchmarks/bench_casts.py
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import mixprec as amp
-from helpers import MLP, CastCounter, SmallCNN, TinyTransformer, rel_error
+from mixprec.cli.models import SmallCNN, TinyMLP, TinyTransformer
+from mixprec.diagnose.calibrate import relative_error as rel_error
+from mixprec.inspect import CastCounter
 
 LEVELS = ("O1", "autocast", "O2", "O3")
 
@@ -27,7 +26,7 @@ LEVELS = ("O1", "autocast", "O2", "O3")
 def _models() -> list[tuple[str, nn.Module, torch.Tensor]]:
     torch.manual_seed(0)
     return [
-        ("MLP 16-32-32-8", MLP(), torch.randn(8, 16)),
+        ("MLP 16-32-32-8", TinyMLP(), torch.randn(8, 16)),
         ("CNN + BatchNorm", SmallCNN().eval(), torch.randn(4, 3, 16, 16)),
         (
             "TransformerEncoderLayer",

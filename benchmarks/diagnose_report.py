@@ -7,15 +7,16 @@ Run from the repository root: ``python benchmarks/diagnose_report.py``.
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import transformers
 from torch import nn
 
 import mixprec
+from mixprec.cli.models import TinyMLP
 
-sys.path.insert(0, "tests")
-from helpers import MLP
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the planted models
 from test_calibrate import sensitive_model
 from test_diagnose_overflow import DivZero, LogNeg, X, tiny_bert
 from test_lint import HandRMSNorm, MaskedAttention
@@ -28,7 +29,7 @@ print(mixprec.find_overflow(DivZero(), X, level="O2", dtype="fp16"))
 print("== find_overflow: NaN from log of a negative")
 print(mixprec.find_overflow(LogNeg(), X, level="O2", dtype="bf16"))
 print("== find_overflow: clean MLP")
-print(mixprec.find_overflow(MLP(), torch.randn(3, 16), level="O2", dtype="fp16"))
+print(mixprec.find_overflow(TinyMLP(), torch.randn(3, 16), level="O2", dtype="fp16"))
 bert = tiny_bert()
 with torch.no_grad():
     bert.encoder.layer[0].intermediate.dense.weight[5].mul_(1e6)
@@ -40,7 +41,9 @@ print(f"== find_overflow: BERT with one large activation ({dt:.2f} s)")
 print(r)
 print("== find_overflow: loss scale 2**24 on a clean MLP")
 print(
-    mixprec.find_overflow(MLP(), torch.randn(3, 16), level="O2", dtype="fp16", loss_scale=2.0**24)
+    mixprec.find_overflow(
+        TinyMLP(), torch.randn(3, 16), level="O2", dtype="fp16", loss_scale=2.0**24
+    )
 )
 m = nn.Sequential(MaskedAttention(), HandRMSNorm(8), nn.LayerNorm(8, eps=1e-12), nn.Linear(8, 2))
 print("== lint: planted")

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mixprec.cli.demo_config import LEVEL_CHOICES, DemoConfig
@@ -102,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=None, help="timed rounds (default 15)")
     bench.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 3)")
     bench.add_argument("--dtype", default="bf16", help="low dtype: bf16 or fp16 (default bf16)")
+    bench.add_argument("--out", default=None, help="also write the results as JSON to this file")
 
     doctor = commands.add_parser("doctor", help=_DOCTOR_HELP, description=_DOCTOR_HELP)
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -174,8 +176,11 @@ def _bench(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     results, described = run_bench(settings, progress=lambda text: err.print(f"bench {text}"))
     machine = machine_info()
+    data = bench_dict(results, settings, described, machine)
+    if args.out is not None:
+        Path(args.out).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     if args.json:
-        print(json.dumps(bench_dict(results, settings, described, machine), indent=2))
+        print(json.dumps(data, indent=2))
         return 0
     console = make_console(width=200)  # one row per model and variant, a dozen columns
     console.print(
@@ -186,6 +191,8 @@ def _bench(args: argparse.Namespace) -> int:
         console.print(f"  {name}: {text}")
     console.print(results_table(results, settings))
     console.print(goals_table(results))
+    if args.out is not None:
+        console.print(f"wrote {args.out}")
     return 0
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mixprec.policy.dtypes import dtype_name
-from mixprec.policy.hardware import cpu_features, is_native
+from mixprec.policy.hardware import cpu_features, cpu_name, is_native
 from mixprec.policy.levels import recommend
 
 __all__ = ["diagnose", "gemm_gflops", "render"]
@@ -72,23 +72,12 @@ def gemm_gflops(
     return {"gflops": 2 * size**3 / seconds / 1e9, "size": float(size)}
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def diagnose(*, measure: bool = True, budget_s: float = 0.25) -> dict[str, Any]:
     """Everything ``mixprec doctor`` reports, as a JSON-ready dict."""
     features = cpu_features()
     devices: list[dict[str, Any]] = []
     cpu: dict[str, Any] = {
-        "name": _cpu_name(),
+        "name": cpu_name(),
         "cores": torch.get_num_threads(),
         "features": dataclasses.asdict(features),
     }

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from mixprec.policy.hardware import cpu_name
+
 __all__ = ["format_bytes", "machine_info", "median_ms"]
 
 
@@ -33,21 +35,10 @@ def format_bytes(count: float) -> str:
     return f"{value:.1f} GiB"  # pragma: no cover
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info() -> dict[str, Any]:
     """Where a measurement ran: CPU model, cores, torch threads and versions."""
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CpuFeatures", "cpu_features", "is_native", "native_dtypes"]
+__all__ = ["CpuFeatures", "cpu_features", "cpu_name", "is_native", "native_dtypes"]
 
 
 @dataclass(frozen=True)
@@ -133,3 +133,15 @@ def is_native(dtype: torch.dtype, device: torch.device | str | None = None) -> b
 def native_dtypes(device: torch.device | str | None = None) -> tuple[torch.dtype, ...]:
     """The low-precision dtypes ``device`` runs natively, bfloat16 first."""
     return tuple(d for d in (torch.bfloat16, torch.float16) if is_native(d, device))
+
+
+def cpu_name() -> str:
+    """The processor's model name (``/proc/cpuinfo``), or what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
