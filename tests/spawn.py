@@ -23,9 +23,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: Any) -> None:
+def _entry(
+    rank: int, world: int, port: int, out: str, backend: str, fn: Callable[..., Any], args: Any
+) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
@@ -41,7 +45,12 @@ def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], a
 
 
 def run(
-    fn: Callable[..., Any], tmp_path: Path, *args: Any, world: int = 2, bound: float = 90.0
+    fn: Callable[..., Any],
+    tmp_path: Path,
+    *args: Any,
+    world: int = 2,
+    bound: float = 90.0,
+    backend: str = "gloo",
 ) -> list[Any]:
     """``fn(rank, world, *args)`` on every rank; returns each rank's result.
 
@@ -50,7 +59,7 @@ def run(
     """
     context = mp.start_processes(
         _entry,
-        args=(world, free_port(), str(tmp_path), fn, args),
+        args=(world, free_port(), str(tmp_path), backend, fn, args),
         nprocs=world,
         join=False,
         start_method="spawn",

@@ -162,6 +162,12 @@ def find_replicas(network: nn.Module, process_group: Any = None) -> Replicas:
     """
     ddp = ddp_of(network)
     fsdp = fsdp_of(network)
+    if dist.is_available() and process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not in the step's process group "
+            "(dist.new_group gave it GroupMember.NON_GROUP_MEMBER): build the step only on "
+            "the group's ranks"
+        )
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(
             f"process_group must be a torch.distributed.ProcessGroup (dist.new_group(...)) or "
