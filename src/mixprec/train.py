@@ -18,6 +18,11 @@ to drop); refresh of the low-precision weights; the loss-scale update on the dev
 ``accumulation_steps=N``, N calls make one optimizer step. Whenever a step is abandoned
 (an exception in forward or backward, a skip, a raise) its gradients are cleared.
 
+Under ``torch.distributed`` (:mod:`mixprec.distributed`): the step calls the user's DDP
+wrapper (left as it was) with the converted network in place for the call, reduces
+gradients on the last micro-batch only (``no_sync`` before it), agrees with its process
+group in one all-reduce per optimizer step, and is a ``Joinable`` (``step.join()``).
+
 Host syncs: at most one per optimizer step (reading the overflow flag before the optimizer
 step). With an optimizer that takes ``found_inf`` itself (``fused=True`` Adam, AdamW, SGD)
 there is none: the optimizer skips on the device, and ``overflow``, ``loss_scale`` and
