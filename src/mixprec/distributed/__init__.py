@@ -3,6 +3,8 @@
 * :mod:`~mixprec.distributed.replicas`: the ranks a step agrees with (its DDP's or FSDP's
   process group, or one passed in), the one small all-reduce per optimizer step, and the
   agreement checks on the step's configuration and loss-scale state.
+* :mod:`~mixprec.distributed.step`: the training step's share: the forward through the
+  user's DDP wrapper, ``no_sync`` accumulation, the agreement, ``step.join()``.
 * :mod:`~mixprec.distributed.join`: the step as a ``torch.distributed`` ``Joinable``, for
   uneven inputs.
 * :mod:`~mixprec.distributed.shard`: FSDP2 at every level: ``fully_shard`` with one

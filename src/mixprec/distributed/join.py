@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.algorithms.join import JoinHook
 
 if TYPE_CHECKING:
-    from mixprec.train import TrainStep
+    from mixprec.distributed.step import ReplicatedStep
 
 __all__ = ["StepJoinHook"]
 
@@ -26,7 +26,7 @@ __all__ = ["StepJoinHook"]
 class StepJoinHook(JoinHook):
     """Shadows the step's agreement all-reduce on a rank that has run out of inputs."""
 
-    def __init__(self, step: TrainStep) -> None:
+    def __init__(self, step: ReplicatedStep) -> None:
         self.step = step
 
     def main_hook(self) -> None:
@@ -36,7 +36,7 @@ class StepJoinHook(JoinHook):
         del is_last_joiner  # every rank already holds the same loss-scale state
 
 
-def join_hook(step: TrainStep, **kwargs: Any) -> JoinHook:
+def join_hook(step: ReplicatedStep, **kwargs: Any) -> JoinHook:
     """The join hook of ``step`` (``Joinable.join_hook``); keyword arguments are DDP's."""
     del kwargs
     return StepJoinHook(step)
