@@ -1,17 +1,18 @@
-"""Two real processes on the gloo backend: every rank skips the same steps."""
+"""Two real processes on gloo with DDP (and without it): skips, accumulation, join,
+the user's wrapper, checkpoints, agreement. One spawned run holds every scenario; each
+scenario's results are checked by its own test."""
 
 from __future__ import annotations
 
-import socket
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import mixprec as amp
+from spawn import run
 
 pytestmark = pytest.mark.distributed
 
@@ -19,94 +20,358 @@ STEPS = 8
 POISON = {3: 1, 6: 0}  # step -> the rank whose batch gets an inf
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # the same initial weights on every rank
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def _worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+def _batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(16, 8, generator=generator), torch.randint(0, 4, (16,), generator=generator)
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _error(fn: Any) -> str:
     try:
-        torch.manual_seed(0)  # the same initial weights on every rank
-        model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
-        network: nn.Module = nn.parallel.DistributedDataParallel(model) if mode == "ddp" else model
-        level = "O2"
-        if mode == "fsdp2":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        fn()
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return "no error"
 
-            fully_shard(
-                model,
-                mp_policy=MixedPrecisionPolicy(
-                    param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-                ),
-            )
-            level = "O0"  # fully_shard casts the parameters; mixprec scales and agrees
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        step = amp.build_train_network(
-            network,
-            optimizer,
-            nn.CrossEntropyLoss(),
-            level=level,
-            dtype=None if level == "O0" else "bf16",
-            loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 2),
-        )
-        generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-        record: dict[str, list[object]] = {"scale": [], "overflow": [], "params": []}
-        for i in range(STEPS):
-            x = torch.randn(16, 8, generator=generator)
-            y = torch.randint(0, 4, (16,), generator=generator)
-            if POISON.get(i) == rank:
-                x[0, 0] = float("inf")
+
+def _poisoned(rank: int, mode: str) -> dict[str, Any]:
+    model = _model()
+    network = nn.parallel.DistributedDataParallel(model) if mode == "ddp" else model
+    step = amp.build_train_network(
+        network,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        nn.CrossEntropyLoss(),
+        "O2",
+        dtype="bf16",
+        loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 2),
+    )
+    generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    record: dict[str, Any] = {"scale": [], "overflow": [], "params": []}
+    for i in range(STEPS):
+        x, y = _batch(generator)
+        if POISON.get(i) == rank:
+            x[0, 0] = float("inf")
+        step(x, y)
+        record["scale"].append(step.loss_scale)
+        record["overflow"].append(step.overflow)
+        record["params"].append(_flat(model))
+    return record
+
+
+def _accumulate(rank: int, world: int) -> dict[str, Any]:
+    """4 micro-batches per optimizer step: one gradient all-reduce, counted by a hook."""
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    calls: list[int] = []
+
+    def counting(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads the annotations
+        state.append(1)
+        work = dist.all_reduce(bucket.buffer().div_(world), async_op=True)
+        return work.get_future().then(lambda f: f.value()[0])
+
+    ddp.register_comm_hook(calls, counting)
+    step = amp.build_train_network(
+        ddp, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), accumulation_steps=4
+    )
+    data = [torch.Generator().manual_seed(200 + r) for r in range(world)]
+    batches = [[(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(8)]
+               for g in data]  # fmt: skip
+    for x, y in batches[rank]:
+        step(x, y)
+    # the reference: one process, every rank's micro-batches, the mean loss per step
+    reference = _model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for s in range(2):
+        chunk = [b for r in range(world) for b in batches[r][4 * s : 4 * s + 4]]
+        loss = sum(nn.functional.mse_loss(reference(x), y) for x, y in chunk) / len(chunk)
+        optimizer.zero_grad()
+        loss.backward()  # type: ignore[union-attr]
+        optimizer.step()
+    return {
+        "all_reduces": len(calls),
+        "optimizer_steps": step.optimizer_steps,
+        "params": _flat(model),
+        "reference": _flat(reference),
+    }
+
+
+def _join(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 holds 6 micro-batches, rank 1 three; rank 0 overflows after rank 1 joined."""
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    step = amp.build_train_network(
+        ddp,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        nn.CrossEntropyLoss(),
+        "O2",
+        dtype="bf16",
+        loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 2),
+        accumulation_steps=2,
+    )
+    generator = torch.Generator().manual_seed(300 + rank)
+    plain_join = _error(lambda: _one_call_in(ddp.join(), step, generator))
+    with step.join():
+        for i in range(6 if rank == 0 else 3):
+            x, y = _batch(generator)
+            if i == 4:
+                x[0, 0] = float("nan")
             step(x, y)
-            record["scale"].append(step.loss_scale)
-            record["overflow"].append(step.overflow)
-            params = [
-                getattr(p, "_local_tensor", p) for p in model.parameters()
-            ]  # a DTensor's shard
-            record["params"].append(torch.cat([p.detach().flatten() for p in params]))
-        torch.save(record, Path(out) / f"rank{rank}.pt")
-        dist.barrier()  # nobody tears gloo down while the other rank still talks
-    finally:
-        dist.destroy_process_group()
+    return {
+        "plain_join": plain_join,
+        "params": _flat(model),
+        "scale": step.loss_scale,
+        "skipped": step.skipped_steps,
+        "optimizer_steps": step.optimizer_steps,
+        "wrapper_untouched": ddp.module is model,
+    }
 
 
-def _run(tmp_path: Path, mode: str) -> list[dict[str, list[object]]]:
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), mode), nprocs=2, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+def _one_call_in(context: Any, step: amp.TrainStep, generator: torch.Generator) -> None:
+    with context:
+        step(*_batch(generator))
 
 
-def test_ddp_ranks_skip_the_same_steps_and_stay_identical(tmp_path: Path) -> None:
-    rank0, rank1 = _run(tmp_path, "ddp")
+def _wrapper(rank: int, world: int) -> dict[str, Any]:
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    loss = nn.CrossEntropyLoss()
+    first = amp.build_train_network(
+        ddp, torch.optim.SGD(model.parameters(), lr=0.05), loss, "O2", dtype="bf16"
+    )
+    second = amp.build_train_network(
+        ddp, torch.optim.SGD(model.parameters(), lr=0.05), loss, "O3", dtype="fp16"
+    )
+    seen: list[torch.dtype] = []
+    handles = [
+        s.network[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+        for s in (first, second)
+    ]
+    generator = torch.Generator().manual_seed(400 + rank)
+    first(*_batch(generator))
+    second(*_batch(generator))
+    for handle in handles:
+        handle.remove()
+    low_params = _error(
+        lambda: amp.build_train_network(
+            ddp, torch.optim.SGD(model.parameters()), loss, "O2", cast_model_type="bf16"
+        )
+    )
+    return {
+        "untouched": ddp.module is model,
+        "seen": seen,
+        "low_params": low_params,
+        "params": _flat(model),
+    }
+
+
+def _checkpoint(rank: int, world: int) -> dict[str, Any]:
+    """A DDP step's checkpoint loads into a plain step (and an old one with module. keys)."""
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    manager = amp.DynamicLossScaleManager(1024, 2, 1)
+    step = amp.build_train_network(
+        ddp,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        nn.CrossEntropyLoss(),
+        "O2",
+        dtype="bf16",
+        loss_scale_manager=manager,
+    )
+    generator = torch.Generator().manual_seed(500 + rank)
+    for _ in range(2):
+        step(*_batch(generator))
+    state = step.state_dict()
+    plain_model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+    plain = amp.build_train_network(
+        plain_model,
+        torch.optim.SGD(plain_model.parameters(), lr=0.05),
+        nn.CrossEntropyLoss(),
+        "O2",
+        dtype="bf16",
+        cast_model_type=torch.float32,  # float32 Parameters, as under DDP
+        loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 1),
+    )
+    plain.load_state_dict(state)
+    old_style = {
+        (f"network.module.{k.removeprefix('network.')}" if k.startswith("network.") else k): v
+        for k, v in state.items()
+    }
+    again = _model()
+    ddp_again = nn.parallel.DistributedDataParallel(again)
+    restored = amp.build_train_network(
+        ddp_again,
+        torch.optim.SGD(again.parameters(), lr=0.05),
+        nn.CrossEntropyLoss(),
+        "O2",
+        dtype="bf16",
+        loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 1),
+    )
+    restored.load_state_dict(old_style)
+    return {
+        "keys": sorted(k for k in state if k != "_extra_state"),
+        "plain_params": _flat(plain_model),
+        "restored_params": _flat(again),
+        "params": _flat(model),
+        "scales": (step.loss_scale, plain.loss_scale, restored.loss_scale),
+    }
+
+
+def _agreement(rank: int, world: int) -> dict[str, Any]:
+    model = _model()
+    build = _error(
+        lambda: amp.build_train_network(
+            nn.parallel.DistributedDataParallel(model),
+            torch.optim.SGD(model.parameters()),
+            nn.CrossEntropyLoss(),
+            "O2" if rank == 0 else "O1",
+            dtype="bf16",
+        )
+    )
+    # the usual habit: restore on rank 0 only, and count on DDP to broadcast
+    ddp = nn.parallel.DistributedDataParallel(model)
+    step = amp.build_train_network(
+        ddp,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        nn.CrossEntropyLoss(),
+        "O2",
+        dtype="bf16",
+        loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 100),
+    )
+    generator = torch.Generator().manual_seed(600 + rank)
+    step(*_batch(generator))
+    before = _flat(model)
+    if rank == 0:
+        state = step.state_dict()
+        state["_extra_state"]["loss_scale_manager"]["loss_scale"] = torch.tensor(65536.0)
+        step.load_state_dict(state)
+    load = _error(lambda: step(*_batch(generator)))
+    return {"build": build, "load": load, "unchanged": torch.equal(before, _flat(model))}
+
+
+def _scenarios(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, fn in (
+        ("ddp", lambda r, w: _poisoned(r, "ddp")),
+        ("plain", lambda r, w: _poisoned(r, "plain")),
+        ("accumulate", _accumulate),
+        ("join", _join),
+        ("wrapper", _wrapper),
+        ("checkpoint", _checkpoint),
+        ("agreement", _agreement),
+    ):
+        out[name] = fn(rank, world)
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run(_scenarios, tmp_path_factory.mktemp("ddp"))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a, b)
+
+
+def test_ddp_ranks_skip_the_same_steps_and_stay_identical(ranks: list[dict[str, Any]]) -> None:
+    rank0, rank1 = (r["ddp"] for r in ranks)
     expected = [i in POISON for i in range(STEPS)]
     assert rank0["overflow"] == rank1["overflow"] == expected
-    assert rank0["scale"] == rank1["scale"]
-    assert rank0["scale"] == [1024, 2048, 2048, 1024, 1024, 2048, 1024, 1024]
+    assert rank0["scale"] == rank1["scale"] == [1024, 2048, 2048, 1024, 1024, 2048, 1024, 1024]
     for a, b in zip(rank0["params"], rank1["params"], strict=True):
-        assert torch.equal(a, b)  # type: ignore[arg-type]
-    # a skipped step changes nothing
-    for i in POISON:
-        assert torch.equal(rank0["params"][i], rank0["params"][i - 1])  # type: ignore[arg-type]
+        assert _same(a, b)
+    for i in POISON:  # a skipped step changes nothing
+        assert _same(rank0["params"][i], rank0["params"][i - 1])
 
 
-def test_overflow_flag_is_agreed_without_gradient_sync(tmp_path: Path) -> None:
-    """Without DDP the ranks' gradients differ (as FSDP shards do): the flag alone is
-    all-reduced, so the rank whose batch was clean skips too."""
-    rank0, rank1 = _run(tmp_path, "plain")
-    expected = [i in POISON for i in range(STEPS)]
-    assert rank0["overflow"] == rank1["overflow"] == expected
+def test_overflow_flag_is_agreed_without_gradient_sync(ranks: list[dict[str, Any]]) -> None:
+    """Without DDP the ranks' gradients differ: the flag alone is agreed, so the rank
+    whose batch was clean skips too."""
+    rank0, rank1 = (r["plain"] for r in ranks)
+    assert rank0["overflow"] == rank1["overflow"] == [i in POISON for i in range(STEPS)]
     assert rank0["scale"] == rank1["scale"]
 
 
-def test_fsdp2_ranks_agree_on_overflow(tmp_path: Path) -> None:
-    """FSDP2 (fully_shard) on CPU/gloo: each rank checks only its shard of the gradients,
-    and still every rank skips the poisoned steps; sharded weights never hold a skipped update."""
-    rank0, rank1 = _run(tmp_path, "fsdp2")
-    expected = [i in POISON for i in range(STEPS)]
-    assert rank0["overflow"] == rank1["overflow"] == expected
-    assert rank0["scale"] == rank1["scale"]
-    for record in (rank0, rank1):
-        for i in POISON:
-            assert torch.equal(record["params"][i], record["params"][i - 1])  # type: ignore[arg-type]
+def test_accumulation_all_reduces_once_per_optimizer_step(ranks: list[dict[str, Any]]) -> None:
+    rank0, rank1 = (r["accumulate"] for r in ranks)
+    # 8 micro-batches, 4 per optimizer step: 2 gradient all-reduces (one bucket), not 8
+    assert rank0["optimizer_steps"] == rank1["optimizer_steps"] == 2
+    assert rank0["all_reduces"] == rank1["all_reduces"] == 2
+    assert _same(rank0["params"], rank1["params"])
+    # the same weights as one process on every rank's micro-batches (float32, summation order)
+    torch.testing.assert_close(rank0["params"], rank0["reference"], rtol=1e-5, atol=1e-6)
+
+
+def test_step_join_handles_uneven_inputs(ranks: list[dict[str, Any]]) -> None:
+    rank0, rank1 = (r["join"] for r in ranks)
+    for r in (rank0, rank1):
+        assert "Use `with step.join():` instead" in r["plain_join"]
+        assert r["wrapper_untouched"]
+    assert _same(rank0["params"], rank1["params"])
+    # optimizer steps 1 and 2 clean (the scale grows after 2), step 3 overflows on rank 0
+    # alone, after rank 1 ran out: both back off and count the skip
+    assert rank0["scale"] == rank1["scale"] == 1024.0
+    assert rank0["skipped"] == rank1["skipped"] == 1
+    assert rank0["optimizer_steps"] == rank1["optimizer_steps"] == 3
+
+
+def test_users_wrapper_is_left_alone_and_each_build_runs_its_level(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for r in ranks:
+        result = r["wrapper"]
+        assert result["untouched"]
+        assert result["seen"] == [torch.bfloat16, torch.float16]
+        assert result["low_params"].startswith(
+            "cast_model_type=torch.bfloat16 under DistributedDataParallel: DDP reduces the "
+            "gradients of the Parameters it was built on (float32), but low-precision "
+            "Parameters are separate copies whose gradients DDP never sees"
+        )
+    assert _same(ranks[0]["wrapper"]["params"], ranks[1]["wrapper"]["params"])
+
+
+def test_checkpoints_are_portable_between_ddp_and_plain_steps(
+    ranks: list[dict[str, Any]],
+) -> None:
+    result = ranks[0]["checkpoint"]
+    assert result["keys"] == [
+        "network.0.bias",
+        "network.0.weight",
+        "network.1.bias",
+        "network.1.weight",
+        "network.3.bias",
+        "network.3.weight",
+    ]
+    assert _same(result["plain_params"], result["params"])
+    assert _same(result["restored_params"], result["params"])
+    assert result["scales"] == (4096.0, 4096.0, 4096.0)
+
+
+def test_ranks_that_disagree_fail_together_naming_ranks_and_values(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for r in ranks:
+        result = r["agreement"]
+        assert result["build"].startswith(
+            "mixprec: the ranks disagree when the training step is built on level: "
+            "rank 0: 'O2', rank 1: 'O1'"
+        )
+        assert result["load"].startswith(
+            "mixprec: the ranks disagree on the loss-scale state on loss_scale: "
+            "rank 0: 65536.0, rank 1: 1024.0. Did only some ranks load a checkpoint?"
+        )
+        assert result["unchanged"]  # the disagreeing step was skipped on every rank
+
+
+def test_no_collective_in_one_process() -> None:
+    model = _model()
+    step = amp.build_train_network(model, torch.optim.SGD(model.parameters()), nn.MSELoss())
+    assert not dist.is_initialized()
+    assert not step.replicas.active

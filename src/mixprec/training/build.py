@@ -23,9 +23,10 @@ from torch import nn
 
 from mixprec._warn import warn
 from mixprec.convert.api import check_network, convert
-from mixprec.policy.dtypes import resolve_dtype
+from mixprec.distributed.replicas import Replicas, ddp_of, find_replicas, fsdp_of
+from mixprec.distributed.shard import sharded_level
+from mixprec.policy.dtypes import dtype_name, resolve_dtype
 from mixprec.policy.levels import Level, Pins, Recipe, resolve
-from mixprec.training.distributed import ddp_of
 from mixprec.training.master import MasterWeights
 from mixprec.training.scaling import DynamicLossScaleManager, LossScaleManager
 from mixprec.training.step import StepHooks, TrainConfig, TrainStep
@@ -254,6 +255,7 @@ def build_train_network(
     after_unscale: Callable[[TrainStep, list[torch.Tensor]], None] | None = None,
     after_skip: Callable[[TrainStep], None] | None = None,
     debug_overflow: bool = False,
+    process_group: Any = None,
 ) -> TrainStep:
     """Build a mixed-precision training step.
 
@@ -282,6 +284,8 @@ def build_train_network(
             :func:`mixprec.find_overflow` (no effect on training) and keep the report at
             ``step.last_overflow_report``, with a one-line warning naming the module; costs
             one host sync per step.
+        process_group: the ranks the step agrees with under ``torch.distributed``
+            (default: the DDP's or FSDP2 mesh's own group, else the whole world).
 
     Returns:
         A :class:`TrainStep`: ``loss = step(*inputs, label)`` (or ``step(*inputs, **kwargs)``
@@ -320,11 +324,13 @@ def build_train_network(
 
     ddp = ddp_of(network)
     inner = check_network(ddp.module if ddp is not None else network)
+    fsdp = fsdp_of(inner)
+    replicas = find_replicas(network, process_group)
     _check_optimizer(optimizer, inner, loss_fn)
     config, recipe = _resolve(
         inner,
         level,
-        ddp is not None,
+        ddp is not None or fsdp is not None,
         dtype,
         cast_model_type,
         keep_batchnorm_fp32,
@@ -334,21 +340,35 @@ def build_train_network(
         fp32_modules,
         low_modules,
     )
-    converted = convert(inner, recipe)
+    _check_wrapped(inner, replicas, config)
+    # under FSDP2 the parameters are FSDP2's to cast (see mixprec.distributed.fully_shard)
+    converted = inner if fsdp is not None else convert(inner, recipe)
     masters = None
     if config.cast_model_type != torch.float32:
         masters = MasterWeights.install(converted)
         if not config.master_weights:
             _repoint(optimizer, masters)
             masters = None
-    if ddp is not None:
-        ddp.module = converted  # same Parameters: DDP's reducer keeps working
-        converted = ddp
     if manager is DEFAULT:
         manager = None
         if config.dtype == torch.float16:  # float16 gradients underflow without scaling
             manager = DynamicLossScaleManager(2.0**16)
             config = dataclasses.replace(config, auto_loss_scale=True)
+    replicas.check(
+        {
+            "level": config.level.value,
+            "dtype": str(config.dtype),
+            "parameters": str(config.cast_model_type),
+            "keep_batchnorm_fp32": config.keep_batchnorm_fp32,
+            "master_weights": config.master_weights,
+            "accumulation_steps": config.accumulation_steps,
+            "clip_grad_norm": config.clip_grad_norm,
+            "loss_scale_manager": repr(manager),
+        },
+        "when the training step is built",
+        "Build the same step on every rank: pass level and dtype explicitly (not 'auto' on "
+        "machines that differ) and give every rank the same loss-scale manager and state",
+    )
     return TrainStep(
         converted,
         optimizer,
@@ -357,8 +377,44 @@ def build_train_network(
         manager,
         masters,
         hooks,
+        replicas,
         debug_overflow=debug_overflow,
     )
+
+
+def _check_wrapped(inner: nn.Module, replicas: Replicas, config: TrainConfig) -> None:
+    """DDP reduces the Parameters it was built on; FSDP2 casts the ones it shards."""
+    if replicas.ddp is not None and config.cast_model_type != torch.float32:
+        raise ValueError(
+            f"cast_model_type={config.cast_model_type} under DistributedDataParallel: DDP reduces "
+            "the gradients of the Parameters it was built on (float32), but low-precision "
+            "Parameters are separate copies whose gradients DDP never sees. Leave "
+            "cast_model_type out: under DDP the step keeps float32 Parameters and casts them at "
+            "use, so DDP reduces float32 gradients"
+        )
+    if replicas.fsdp is None:
+        return
+    if config.cast_model_type != torch.float32:
+        raise ValueError(
+            f"cast_model_type={config.cast_model_type} under FSDP2: FSDP2 casts the sharded "
+            "float32 Parameters itself (its MixedPrecisionPolicy); leave cast_model_type out"
+        )
+    shard = sharded_level(inner)
+    low = "" if config.dtype is None else f", {dtype_name(config.dtype)!r}"
+    if shard is None and config.level is not Level.O0:
+        raise ValueError(
+            f"level {config.level.value!r} on a model sharded by torch's fully_shard: FSDP2 "
+            "gathers and swaps in the Parameters itself, so mixprec cannot cast them at use. "
+            f"Shard with mixprec.distributed.fully_shard(model, {config.level.value!r}{low}) "
+            "(FSDP2 then casts per module as the level says), or keep your own "
+            "MixedPrecisionPolicy and build the step at level 'O0'"
+        )
+    if shard is not None and (shard.level, shard.dtype) != (config.level, config.dtype):
+        raise ValueError(
+            f"the model was sharded at level {shard.level.value!r} ({shard.dtype}) by "
+            f"mixprec.distributed.fully_shard; build the step at the same level and dtype, not "
+            f"{config.level.value!r} ({config.dtype})"
+        )
 
 
 def _repoint(optimizer: torch.optim.Optimizer, masters: MasterWeights) -> None:

@@ -18,6 +18,11 @@ to drop); refresh of the low-precision weights; the loss-scale update on the dev
 ``accumulation_steps=N``, N calls make one optimizer step. Whenever a step is abandoned
 (an exception in forward or backward, a skip, a raise) its gradients are cleared.
 
+Under ``torch.distributed`` (:mod:`mixprec.distributed`): the step calls the user's DDP
+wrapper (left as it was) with the converted network in place for the call, reduces
+gradients on the last micro-batch only (``no_sync`` before it), agrees with its process
+group in one all-reduce per optimizer step, and is a ``Joinable`` (``step.join()``).
+
 Host syncs: at most one per optimizer step (reading the overflow flag before the optimizer
 step). With an optimizer that takes ``found_inf`` itself (``fused=True`` Adam, AdamW, SGD)
 there is none: the optimizer skips on the device, and ``overflow``, ``loss_scale`` and
@@ -34,9 +39,10 @@ import torch
 from torch import nn
 
 from mixprec._warn import warn
+from mixprec.distributed.replicas import Replicas
+from mixprec.distributed.step import ReplicatedStep, local_shard, without_ddp_prefix
 from mixprec.policy.levels import Level
 from mixprec.policy.ops import cast_tree
-from mixprec.training.distributed import agree_on_overflow
 from mixprec.training.grads import inverse_scale, unscale_grads_
 from mixprec.training.master import MasterWeights
 from mixprec.training.scale_state import FLOAT32_MAX
@@ -141,7 +147,7 @@ def _fused_skip_ready(optimizer: torch.optim.Optimizer) -> bool:
     return True
 
 
-class TrainStep(nn.Module):
+class TrainStep(nn.Module, ReplicatedStep):
     """One training step per call (see :func:`build_train_network`).
 
     Attributes:
@@ -175,11 +181,14 @@ class TrainStep(nn.Module):
         manager: LossScaleManager | None,
         masters: MasterWeights | None,
         hooks: StepHooks | None = None,
+        replicas: Replicas | None = None,
         *,
         debug_overflow: bool = False,
     ) -> None:
         super().__init__()
+        ReplicatedStep.__init__(self)
         self.network = network
+        self.replicas = replicas or Replicas()
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.config = config
@@ -191,6 +200,8 @@ class TrainStep(nn.Module):
         self._micro_step = 0
         self._ledger = StepLedger()
         self._warned = False
+        self._disagree = torch.zeros(())  # sticky: 1.0 once the ranks' scale states differed
+        self._agreed_steps = 0  # optimizer steps since the build (never checkpointed)
         self._debugger: Any = None
         self._batch: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None
         if debug_overflow:
@@ -239,37 +250,43 @@ class TrainStep(nn.Module):
     # ------------------------------------------------------------------ the step
     def forward(self, *inputs: Any, **kwargs: Any) -> torch.Tensor:
         """Run one micro-batch; returns its unscaled float32 loss (detached)."""
+        self._check_join()
+        last = self._micro_step + 1 == self.config.accumulation_steps
         try:
-            if self.loss_fn is not None:
-                if not inputs:
-                    raise TypeError(
-                        "step(*inputs, label): the label is the last positional argument; got none"
+            with self._communication(last):
+                if self.loss_fn is not None:
+                    if not inputs:
+                        raise TypeError(
+                            "step(*inputs, label): the label is the last positional argument; "
+                            "got none"
+                        )
+                    *net_inputs, label = inputs
+                    if self._debugger is not None:
+                        self._batch = (tuple(net_inputs), kwargs, label)
+                    output = self._run_network(*net_inputs, **kwargs)
+                    loss = _as_loss(
+                        self.loss_fn(
+                            cast_tree(output, torch.float32), cast_tree(label, torch.float32)
+                        ),
+                        "loss_fn",
                     )
-                *net_inputs, label = inputs
-                if self._debugger is not None:
-                    self._batch = (tuple(net_inputs), kwargs, label)
-                output = self.network(*net_inputs, **kwargs)
-                loss = _as_loss(
-                    self.loss_fn(cast_tree(output, torch.float32), cast_tree(label, torch.float32)),
-                    "loss_fn",
-                )
-            else:
-                if self._debugger is not None:
-                    self._batch = (inputs, kwargs, None)
-                loss = _as_loss(_loss_of(self.network(*inputs, **kwargs)), "the network")
-            scale = self._scale_tensor(loss.device)
-            steps = self.config.accumulation_steps
-            if scale is not None:
-                (loss * (scale / steps)).backward()
-            else:
-                (loss / steps if steps > 1 else loss).backward()
+                else:
+                    if self._debugger is not None:
+                        self._batch = (inputs, kwargs, None)
+                    loss = _as_loss(_loss_of(self._run_network(*inputs, **kwargs)), "the network")
+                scale = self._scale_tensor(loss.device)
+                steps = self.config.accumulation_steps
+                if scale is not None:
+                    (loss * (scale / steps)).backward()
+                else:
+                    (loss / steps if steps > 1 else loss).backward()
             if self.masters is not None:
                 self.masters.collect_grads()
         except BaseException:
             self._abandon()
             raise
         self._micro_step += 1
-        if self._micro_step == self.config.accumulation_steps:
+        if last:
             self._micro_step = 0
             self._step()
         return loss.detach()
@@ -308,12 +325,17 @@ class TrainStep(nn.Module):
         check = manager is None or manager.get_drop_overflow_update()
         device = grads[0].device if grads else self.found_inf.device
         try:
+            with torch.no_grad():
+                local = [local_shard(g) for g in grads]  # FSDP2: each rank checks its own shard
             scale = None if self._warming_up else self._scale_tensor(device)
             # one fused pass unscales and checks; with no scale it multiplies by exactly 1,
             # which on CPU is several times faster than an inf-norm reduction
             inverse = torch.ones((), device=device) if scale is None else inverse_scale(scale)
-            found = unscale_grads_(grads, inverse)
-            found = agree_on_overflow(found) if check else torch.zeros_like(found)
+            found = unscale_grads_(local, inverse)
+            chosen = None
+            if self._warming_up and state is not None and state.dynamic:
+                chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
+            found, chosen = self._agree(found, chosen, state, check)
             self.found_inf = found
             if self.hooks.after_unscale is not None:
                 self.hooks.after_unscale(self, params)
@@ -324,6 +346,7 @@ class TrainStep(nn.Module):
                 and self._debugger is None
                 and _fused_skip_ready(self.optimizer)
             )
+            self._check_agreement(host_read=not on_device)
             applied: bool | None = True  # without a check, every step is applied
             if check:
                 self._ledger.update(found)
@@ -334,7 +357,7 @@ class TrainStep(nn.Module):
                 self._optimizer_step(found if on_device else None)
                 if self.masters is not None:
                     self.masters.refresh()
-            self._update_scale(manager, state, found, grads)
+            self._update_scale(manager, state, found, chosen)
             if applied is True and self.hooks.lr_scheduler is not None:
                 self.hooks.lr_scheduler.step()
             if applied is False and self._debugger is not None and self._batch is not None:
@@ -369,7 +392,7 @@ class TrainStep(nn.Module):
         manager: LossScaleManager | None,
         state: Any,
         found: torch.Tensor,
-        grads: list[torch.Tensor],
+        chosen: torch.Tensor | None,
     ) -> None:
         if manager is None:
             return
@@ -377,8 +400,7 @@ class TrainStep(nn.Module):
             manager.update_loss_scale(self._ledger.read()[0])
             return
         finite = found == 0
-        if self._warming_up and state.dynamic:
-            chosen = choose_initial_scale(grads, self.config.dtype or torch.float16)
+        if chosen is not None:
             after = state.adjust(finite)
             state.assign(dataclasses.replace(after, scale=torch.where(finite, chosen, after.scale)))
         else:
@@ -437,7 +459,9 @@ class TrainStep(nn.Module):
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         """Load a checkpoint; it is checked whole (keys, shapes, the scale and counters, the
-        master weights) before anything is written. Checkpoints of mixprec 0.1.0 load."""
+        master weights) before anything is written. Checkpoints of mixprec 0.1.0 load, and so
+        do those of a step that held the DDP wrapper itself (``network.module.*`` keys)."""
+        state_dict = without_ddp_prefix(self.network, state_dict)
         check_checkpoint(self, state_dict, strict)
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if self.masters is not None:
