@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mixprec.convert.module_level import CastAtUseForward
+from mixprec.convert.cast_at_use import low_precision_parameters
 
 __all__ = ["MasterWeights"]
 
@@ -43,25 +43,17 @@ class MasterWeights:
     def install(cls, converted: nn.Module) -> MasterWeights:
         """Swap every Parameter ``converted`` computes with in low precision for a
         low-precision Parameter of its own; the float32 ones become the masters."""
-        forward = converted.__dict__.get("forward")
-        if not isinstance(forward, CastAtUseForward):
-            raise TypeError("master weights need a module converted at O2 or O3")
         lows: dict[int, nn.Parameter] = {}
         pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-        for slot in forward.slots:
-            master = slot.owner._parameters[slot.name]
-            if not isinstance(master, nn.Parameter) or master.dtype == forward.dtype:
+        for owner, name, master, dtype in low_precision_parameters(converted):
+            if not isinstance(master, nn.Parameter) or master.dtype == dtype:
                 continue
             low = lows.get(id(master))
             if low is None:
-                low = nn.Parameter(
-                    master.detach().to(forward.dtype), requires_grad=master.requires_grad
-                )
+                low = nn.Parameter(master.detach().to(dtype), requires_grad=master.requires_grad)
                 lows[id(master)] = low
                 pairs.append((master, low))
-            slot.owner._parameters[slot.name] = low
-        for rnn in forward.recurrent:
-            rnn._init_flat_weights()
+            owner._parameters[name] = low
         return cls(pairs)
 
     @torch.no_grad()
