@@ -61,6 +61,13 @@ _LOWER_OPS = lists.CPU_LOWER_OPS | lists.CUDA_LOWER_OPS
 _Entry = tuple["weakref.ref[torch.Tensor]", tuple[int, int], torch.Tensor]
 
 
+def _tracing() -> bool:
+    """Under ``torch.compile`` (TorchDynamo), which graph-breaks on thread-local state and
+    on entering a mode: weights are cast at each read, inside the graph, and mixed
+    operands are not rewritten. ``torch.export`` (non-strict) runs the eager path."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+
+
 def _version(tensor: torch.Tensor) -> int:
     try:
         return int(tensor._version)
@@ -119,14 +126,17 @@ class CastState:
 
     def low(self, tensor: torch.Tensor, frame: _Frame) -> torch.Tensor:
         """``tensor`` in the low dtype, cast once per outermost call."""
-        if tensor.dtype == self.dtype or not is_castable(tensor):
-            return tensor
         hit = frame.casts.get(id(tensor))
         if hit is not None and hit[0] is tensor:
             return hit[1]
-        low = self._reused(tensor)
-        if low is None:
-            low = tensor.to(self.dtype)
+        # mixprec's own bookkeeping is not the model's code: MixedOperands need not see it
+        with torch._C.DisableTorchFunction():
+            if tensor.dtype == self.dtype or not is_castable(tensor):
+                low = tensor
+            else:
+                low = self._reused(tensor)
+                if low is None:
+                    low = tensor.to(self.dtype)
         frame.casts[id(tensor)] = (tensor, low)
         return low
 
@@ -160,18 +170,18 @@ class LowParameters(dict[str, Any]):
         value = dict.__getitem__(self, name)
         if value is None or name not in self.names:
             return value
-        if torch.compiler.is_compiling():
+        if _tracing():
             return value.to(self.state.dtype) if is_castable(value) else value
         frame = self.state.frame()
         return value if frame is None else self.state.low(value, frame)
 
     def items(self) -> Any:
-        if self.state.frame() is None or torch.compiler.is_compiling():
+        if _tracing() or self.state.frame() is None:
             return dict.items(self)
         return [(name, self[name]) for name in dict.keys(self)]
 
     def values(self) -> Any:
-        if self.state.frame() is None or torch.compiler.is_compiling():
+        if _tracing() or self.state.frame() is None:
             return dict.values(self)
         return [self[name] for name in dict.keys(self)]
 
@@ -259,7 +269,7 @@ class ModuleCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.root:
             args, kwargs = cast_tree((args, kwargs), self.state.dtype)
-        if torch.compiler.is_compiling():
+        if _tracing():
             out = self._run(args, kwargs)
         else:
             frame = self.state.enter()

@@ -76,15 +76,17 @@ def _settled(values: Any, dtype: torch.dtype) -> bool:
 def _cast_inputs_hook(
     dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    if _settled(args, dtype) and _settled(kwargs.values(), dtype):
-        return None  # the common case: nothing to cast, no tree walk
-    return cast_tree(args, dtype), cast_tree(kwargs, dtype)
+    with torch._C.DisableTorchFunction():  # mixprec's casts are not the model's ops
+        if _settled(args, dtype) and _settled(kwargs.values(), dtype):
+            return None  # the common case: nothing to cast, no tree walk
+        return cast_tree(args, dtype), cast_tree(kwargs, dtype)
 
 
 def _cast_output_hook(
     dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], output: Any
 ) -> Any:
-    return cast_tree(output, dtype)
+    with torch._C.DisableTorchFunction():
+        return cast_tree(output, dtype)
 
 
 def _precision(recipe: Recipe, module: nn.Module, path: str, parent: Precision) -> Precision:
