@@ -103,7 +103,8 @@ def test_train_and_eval_take_effect(level: str, dtype: torch.dtype) -> None:
     assert rel_error(converted(x), model(x)) < TOLERANCE[dtype]
     converted.train()
     assert not torch.equal(converted(x), converted(x))  # dropout on again
-    assert converted.blocks[0].training and not model.training  # the original keeps its own
+    assert converted.blocks[0].training
+    assert not model.training
 
 
 # ------------------------------------------------------------------ 2. hooks
@@ -286,13 +287,15 @@ def test_parametrizations_run_in_float32_and_feed_low_layers(
     converted = amp.auto_mixed_precision(model, level, dtype)
     weights = _watch(converted)
     out = converted(x)
-    assert seen and set(seen) == {torch.float32}  # its math, on the float32 original
+    assert seen
+    assert set(seen) == {torch.float32}
     assert weights == {"0": {dtype}, "2": {dtype}}  # the layers compute with the low result
     assert out.dtype == torch.float32
     assert rel_error(out, expected) < TOLERANCE[dtype]
     out.sum().backward()
     original = model[0].parametrizations.weight.original
-    assert original.grad is not None and original.grad.dtype == torch.float32
+    assert original.grad is not None
+    assert original.grad.dtype == torch.float32
 
 
 # ------------------------------------------------------------------ 6. mixed operands
@@ -434,7 +437,7 @@ def test_an_exception_leaves_no_call_running() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         converted(torch.randn(2, 4))
     assert converted.fc.weight is model.fc.weight  # read outside a call: the Parameter
-    assert list(converted.parameters())[0] is model.fc.weight
+    assert next(iter(converted.parameters())) is model.fc.weight
     assert torch.overrides._get_current_function_mode_stack() == []
 
 
@@ -489,21 +492,22 @@ def test_generate_computes_low(make: Callable[[], nn.Module], level: str) -> Non
     converted = amp.auto_mixed_precision(model, level, BF16)
     seen = _watch(converted)
     logits = _first_logits(converted)
-    assert seen and all(dtypes == {BF16} for dtypes in seen.values()), seen
+    assert seen
+    assert all(dtypes == {BF16} for dtypes in seen.values()), seen
     assert rel_error(logits, _first_logits(model)) < 3e-2
 
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_clip_feature_methods_compute_low(level: str) -> None:
     torch.manual_seed(0)
-    text = dict(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=16, bos_token_id=0, eos_token_id=1,
-    )  # fmt: skip
-    vision = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        image_size=16, patch_size=8,
-    )  # fmt: skip
+    text = {
+        "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 1,
+    }  # fmt: skip
+    vision = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "image_size": 16, "patch_size": 8,
+    }  # fmt: skip
     config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
     model = transformers.CLIPModel(config).eval()
     converted = amp.auto_mixed_precision(model, level, BF16)
@@ -585,10 +589,12 @@ def test_peft_lora_before_or_after_conversion(when: str) -> None:
     assert out.dtype == torch.float32
     assert rel_error(out, model(input_ids=IDS).logits) < 3e-2
     base = [n for n in seen if n.endswith("query.base_layer")]
-    assert base and seen[base[0]] == {BF16}
-    lora_a = [n for n in seen if "query.lora_A" in n][0]
+    assert base
+    assert seen[base[0]] == {BF16}
+    lora_a = next(n for n in seen if "query.lora_A" in n)
     # an adapter converted with the model computes low; one added after runs in float32
     assert seen[lora_a] == ({BF16} if when == "before" else {torch.float32})
     out.sum().backward()
     lora = [p for n, p in converted.named_parameters() if "lora_A" in n]
-    assert lora and all(p.grad is not None and p.grad.dtype == torch.float32 for p in lora)
+    assert lora
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lora)

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec as amp
-from mixprec.convert.cast_at_use import reuse_weight_casts
 from helpers import MLP, CastCounter, SmallCNN, TinyTransformer, count_casts, rel_error
+from mixprec.convert.cast_at_use import reuse_weight_casts
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 LEVELS = ["O2", "O3"]
@@ -181,9 +181,11 @@ def test_opt_in_inference_cache_reuses_casts_until_weights_change() -> None:
     with torch.no_grad():
         _, c5 = count_casts(converted, x)  # the block is over: no cache
     assert c5.total == 8
-    with pytest.raises(TypeError, match="converted must be a module converted at O2 or O3"):
-        with reuse_weight_casts(MLP()):
-            pass
+    with (
+        pytest.raises(TypeError, match="converted must be a module converted at O2 or O3"),
+        reuse_weight_casts(MLP()),
+    ):
+        pass
 
 
 @pytest.mark.parametrize("level", LEVELS)

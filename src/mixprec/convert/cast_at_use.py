@@ -131,12 +131,10 @@ class CastState:
             return hit[1]
         # mixprec's own bookkeeping is not the model's code: MixedOperands need not see it
         with torch._C.DisableTorchFunction():
-            if tensor.dtype == self.dtype or not is_castable(tensor):
-                low = tensor
-            else:
-                low = self._reused(tensor)
-                if low is None:
-                    low = tensor.to(self.dtype)
+            low = tensor
+            if tensor.dtype != self.dtype and is_castable(tensor):
+                reused = self._reused(tensor)
+                low = tensor.to(self.dtype) if reused is None else reused
         frame.casts[id(tensor)] = (tensor, low)
         return low
 
