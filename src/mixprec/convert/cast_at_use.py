@@ -310,7 +310,7 @@ def low_precision_parameters(converted: nn.Module) -> list[LowParameter]:
     Example:
         >>> fast = mixprec.auto_mixed_precision(torch.nn.Linear(4, 4), "O2", "bf16")
         >>> [(p.name, p.dtype) for p in low_precision_parameters(fast)]
-        [('weight', torch.bfloat16), ('bias', torch.bfloat16)]
+        [('bias', torch.bfloat16), ('weight', torch.bfloat16)]
     """
     found: list[LowParameter] = []
     seen = False
