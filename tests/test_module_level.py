@@ -13,6 +13,7 @@ from torch import nn
 
 import mixprec as amp
 from helpers import MLP, CastCounter, SmallCNN, TinyTransformer, count_casts, rel_error
+from mixprec.convert.cast_at_use import reuse_weight_casts
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 LEVELS = ["O2", "O3"]
@@ -145,11 +146,25 @@ def test_cast_count_per_forward(
     assert amp.explain(converted).num_casts == expected[level]
 
 
-def test_inference_reuses_weight_casts_until_weights_change() -> None:
+def test_every_call_casts_afresh_so_data_writes_are_seen() -> None:
     model = MLP()
     converted = amp.auto_mixed_precision(model, "O2", "bf16")
     x = torch.randn(4, 16)
     with torch.no_grad():
+        first, c1 = count_casts(converted, x)
+        second, c2 = count_casts(converted, x)
+        model.net[0].weight.data.mul_(2.0)  # bumps no version counter
+        third = converted(x)
+    assert c1.total == c2.total == 8
+    assert torch.equal(first, second)
+    assert not torch.equal(third, second)
+
+
+def test_opt_in_inference_cache_reuses_casts_until_weights_change() -> None:
+    model = MLP()
+    converted = amp.auto_mixed_precision(model, "O2", "bf16")
+    x = torch.randn(4, 16)
+    with torch.no_grad(), reuse_weight_casts(converted):
         first, c1 = count_casts(converted, x)
         second, c2 = count_casts(converted, x)
         assert c1.total == 8
@@ -159,9 +174,18 @@ def test_inference_reuses_weight_casts_until_weights_change() -> None:
         third, c3 = count_casts(converted, x)
     assert c3.total == 3
     assert not torch.equal(third, second)
-    # with gradients on, weights are cast fresh (they must be part of the autograd graph)
-    _, c4 = count_casts(converted, x)
+    with reuse_weight_casts(converted):
+        # with gradients on, weights are cast fresh (they must be part of the autograd graph)
+        _, c4 = count_casts(converted, x)
     assert c4.total == 8
+    with torch.no_grad():
+        _, c5 = count_casts(converted, x)  # the block is over: no cache
+    assert c5.total == 8
+    with (
+        pytest.raises(TypeError, match="converted must be a module converted at O2 or O3"),
+        reuse_weight_casts(MLP()),
+    ):
+        pass
 
 
 @pytest.mark.parametrize("level", LEVELS)

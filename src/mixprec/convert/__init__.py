@@ -1,7 +1,8 @@
 """Turning a module into a mixed-precision module.
 
 - :mod:`.structure`: copies of a module tree that share its Parameters;
-- :mod:`.module_level`: O2/O3, cast at use, float32 islands, float32 outputs;
+- :mod:`.module_level`: O2/O3, float32 islands, float32 outputs;
+- :mod:`.cast_at_use`: low-precision weights every entry point sees, per thread;
 - :mod:`.capture`: torch.fx capture, untraceable modules become leaves;
 - :mod:`.infer`: static dtype facts about a graph;
 - :mod:`.insert`: cast insertion for O1 and the autocast level;

@@ -1,43 +1,40 @@
 """Module-level mixed precision (O2, O3, and whole low-precision units inside O1 graphs).
 
 A converted module is a structural copy of the original (same classes, same Parameter
-objects) whose ``forward`` is replaced, on the instance, by :class:`CastAtUseForward`:
+objects, same ``state_dict`` keys). Its precision lives in the module tree, so every way
+of running it (the root's ``forward``, a submodule, another method such as
+``generate()``, a checkpointed recomputation, two threads at once) computes the same:
 
-1. floating inputs are cast to the low dtype;
-2. every floating Parameter that computes in low precision is cast **once** and swapped
-   into the tree for the duration of the call (a tied weight is cast once and used
-   everywhere); the stored tensors keep their dtype and identity, so gradients reach the
-   float32 Parameters and an optimizer built before conversion keeps working. Buffers stay
-   float32 and are read as they are (running statistics, counters and EMAs updated in
-   place keep float32 precision);
-3. modules that run in float32 (norms on the black list, modules pinned to float32) have
-   their inputs cast up and their outputs cast back down by hooks on the copy; batch and
-   instance norms that compute in low precision (O3) keep float32 weights and running
-   statistics, which their kernels take with a low-precision input;
+1. every module gets an instance ``forward`` (:class:`~.cast_at_use.ModuleCall`); the
+   root's casts floating inputs to the low dtype and floating outputs to float32;
+2. a module whose Parameters compute in low precision reads them, while it runs, as casts
+   made once per outermost call (:class:`~.cast_at_use.LowParameters`); the stored
+   Parameters keep their dtype and identity, so gradients reach the float32 Parameters,
+   an optimizer built before conversion keeps working, and every write to a weight is
+   what the next call computes with. Buffers stay float32 and are read as they are
+   (running statistics, counters and EMAs updated in place keep float32 precision);
+3. modules that run in float32 (norms on the black list, modules pinned to float32,
+   parametrizations, whose math runs on the float32 original) have their inputs cast up
+   and their outputs cast back down by hooks; batch and instance norms that compute in
+   low precision (O3) keep float32 weights and running statistics, which their kernels
+   take with a low-precision input;
 4. every low-precision module with weights casts its floating inputs down (a no-op when
-   they already are), so a tensor the model makes or promotes to float32 inside its
-   forward (a float32 buffer added in, a ``.float()``, ``torch.arange``) still reaches
-   the next layer in low precision, as MindSpore casts each cell's inputs;
-5. the stored Parameters are put back whatever happens; floating outputs are cast to
-   float32.
-
-With gradients off (inference), weight casts are cached and reused until the weight
-changes (its version counter or storage), so repeated inference calls cast nothing.
+   they already are), so a tensor the model makes in float32 inside its forward still
+   reaches the next layer in low precision, as MindSpore casts each cell's inputs;
+5. operands the model itself mixes follow ``torch.autocast``'s rule
+   (:class:`~.cast_at_use.MixedOperands`), never a dtype error.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
-import types
-import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
+from mixprec.convert.cast_at_use import CastState, LowParameters, ModuleCall
 from mixprec.convert.plan import CastPlan, Conversion, PlanRow, dtype_name
 from mixprec.convert.structure import CONVERSION_ATTR, structural_copy
 from mixprec.policy import lists
@@ -45,134 +42,7 @@ from mixprec.policy.dtypes import is_castable
 from mixprec.policy.levels import Precision, Recipe
 from mixprec.policy.ops import cast_tree
 
-__all__ = [
-    "CastAtUseForward",
-    "convert_module_level",
-    "low_precision_parameters",
-    "make_low_unit",
-]
-
-
-@dataclass(frozen=True)
-class Slot:
-    """A Parameter that computes in low precision: ``owner.<name>``."""
-
-    owner: nn.Module
-    name: str
-    path: str
-
-
-# (the dict a Parameter was swapped in, its name, the stored Parameter)
-_Swapped = tuple[dict[str, Any], str, torch.Tensor]
-
-
-class CastAtUseForward:
-    """The ``forward`` of a module converted at module level (set on the instance).
-
-    Calls the module's own ``forward`` with floating inputs cast to ``dtype`` and its
-    low-precision Parameters and buffers swapped for copies cast once per call.
-    """
-
-    def __init__(
-        self,
-        module: nn.Module,
-        dtype: torch.dtype,
-        slots: tuple[Slot, ...],
-        output_dtype: torch.dtype | None,
-    ) -> None:
-        self.module = module
-        self.dtype = dtype
-        self.slots = slots
-        self.output_dtype = output_dtype
-        self.inner: Callable[..., Any] | None = module.__dict__.get("forward")
-        self.recurrent = tuple(
-            {id(s.owner): s.owner for s in slots if isinstance(s.owner, nn.RNNBase)}.values()
-        )
-        # id(stored tensor) -> (weak reference to it, (version, data pointer, device), low copy)
-        self._cache: dict[
-            int, tuple[weakref.ref[torch.Tensor], tuple[int, int, torch.device], torch.Tensor]
-        ] = {}
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_cache"] = {}
-        return state
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        """The wrapped forward's signature (what ``inspect`` and ``torch.export`` see)."""
-        inner = self.inner or functools.partial(type(self.module).forward, self.module)
-        return inspect.signature(inner)
-
-    @property
-    def __code__(self) -> types.CodeType:
-        """The wrapped forward's code object (tools such as ``torch.export`` read its name
-        and location from ``module.forward.__code__``)."""
-        code = getattr(self.inner or type(self.module).forward, "__code__", None)
-        return code if isinstance(code, types.CodeType) else type(self).__call__.__code__
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = cast_tree((args, kwargs), self.dtype)
-        swapped = self._swap_in()
-        try:
-            if self.inner is not None:
-                out = self.inner(*args, **kwargs)
-            else:
-                out = type(self.module).forward(self.module, *args, **kwargs)
-        finally:
-            self._swap_out(swapped)
-        return out if self.output_dtype is None else cast_tree(out, self.output_dtype)
-
-    def clear_cache(self) -> None:
-        """Forget the cached inference-time weight casts."""
-        self._cache.clear()
-
-    # ------------------------------------------------------------------ internals
-    def _low(self, tensor: torch.Tensor) -> torch.Tensor:
-        reusable = not (torch.is_grad_enabled() and tensor.requires_grad)
-        if not reusable or torch.compiler.is_compiling():
-            return tensor.to(self.dtype)
-        key = (_version(tensor), tensor.data_ptr(), tensor.device)
-        hit = self._cache.get(id(tensor))
-        if hit is not None and hit[0]() is tensor and hit[1] == key:
-            return hit[2]
-        low = tensor.detach().to(self.dtype)
-        self._cache[id(tensor)] = (weakref.ref(tensor), key, low)
-        return low
-
-    def _swap_in(self) -> list[_Swapped]:
-        swapped: list[_Swapped] = []
-        lows: dict[int, torch.Tensor] = {}
-        try:
-            for slot in self.slots:
-                table: dict[str, Any] = slot.owner._parameters
-                tensor = table.get(slot.name)
-                if tensor is None or tensor.dtype == self.dtype or not is_castable(tensor):
-                    continue
-                low = lows.get(id(tensor))
-                if low is None:
-                    low = lows[id(tensor)] = self._low(tensor)
-                table[slot.name] = low
-                swapped.append((table, slot.name, tensor))
-            for rnn in self.recurrent:
-                rnn._init_flat_weights()
-        except BaseException:
-            self._swap_out(swapped)
-            raise
-        return swapped
-
-    def _swap_out(self, swapped: list[_Swapped]) -> None:
-        for table, name, original in reversed(swapped):
-            table[name] = original
-        for rnn in self.recurrent:
-            rnn._init_flat_weights()
-
-
-def _version(tensor: torch.Tensor) -> int:
-    try:
-        return int(tensor._version)
-    except RuntimeError:  # an inference tensor has no version counter
-        return -1
+__all__ = ["ExtraRepr", "convert_module_level", "make_low_unit"]
 
 
 class ExtraRepr:
@@ -206,23 +76,25 @@ def _settled(values: Any, dtype: torch.dtype) -> bool:
 def _cast_inputs_hook(
     dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    if _settled(args, dtype) and _settled(kwargs.values(), dtype):
-        return None  # the common case: nothing to cast, no tree walk
-    return cast_tree(args, dtype), cast_tree(kwargs, dtype)
+    with torch._C.DisableTorchFunction():  # mixprec's casts are not the model's ops
+        if _settled(args, dtype) and _settled(kwargs.values(), dtype):
+            return None  # the common case: nothing to cast, no tree walk
+        return cast_tree(args, dtype), cast_tree(kwargs, dtype)
 
 
 def _cast_output_hook(
     dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], output: Any
 ) -> Any:
-    return cast_tree(output, dtype)
+    with torch._C.DisableTorchFunction():
+        return cast_tree(output, dtype)
 
 
 def _precision(recipe: Recipe, module: nn.Module, path: str, parent: Precision) -> Precision:
     pin = recipe.pinned(module, path)
     if pin is not None:
         return pin
-    if isinstance(module, recipe.black_modules):
-        return Precision.FP32
+    if isinstance(module, (*recipe.black_modules, parametrize.ParametrizationList)):
+        return Precision.FP32  # a parametrization's math runs on its float32 original
     return parent
 
 
@@ -252,7 +124,7 @@ def convert_module_level(
     """
     root = structural_copy(network) if copy else network
     low = recipe.dtype
-    slots: list[Slot] = []
+    state = CastState(low)
     rows: list[PlanRow] = [
         PlanRow(prefix, "inputs", dtype_name(low), ("floating inputs -> " + dtype_name(low),))
     ]
@@ -287,13 +159,17 @@ def convert_module_level(
                 (n, t) for n, t in module._parameters.items() if t is not None and is_castable(t)
             ]
             for name, tensor in owned:
-                slots.append(Slot(module, name, _join(path, name)))
                 if tensor.dtype != low and id(tensor) not in seen_tensors:
                     cast_here.append(f"{_join(path, name)} -> {dtype_name(low)}")
                 seen_tensors.add(id(tensor))
+            if owned:
+                names = frozenset(name for name, _ in owned)
+                module.__dict__["_parameters"] = LowParameters(module._parameters, names, state)
             if owned and module is not root and precision is parent:
                 hook = functools.partial(_cast_inputs_hook, low)
                 module.register_forward_pre_hook(hook, with_kwargs=True)
+        if module is not root:
+            module.__dict__["forward"] = ModuleCall(module, state)
         if cast_here:
             rows.append(
                 PlanRow(
@@ -315,8 +191,7 @@ def convert_module_level(
                 ("floating outputs -> " + dtype_name(output_dtype),),
             )
         )
-    forward = CastAtUseForward(root, low, tuple(slots), output_dtype)
-    root.__dict__["forward"] = forward
+    root.__dict__["forward"] = ModuleCall(root, state, root=True, output_dtype=output_dtype)
     plan = CastPlan(level=recipe.level.value, dtype=dtype_name(low), rows=tuple(rows))
     root.__dict__[CONVERSION_ATTR] = Conversion(recipe, plan)
     root.__dict__["extra_repr"] = ExtraRepr(root, f"mixprec: {recipe.describe()}")
@@ -330,30 +205,3 @@ def make_low_unit(module: nn.Module, recipe: Recipe, prefix: str) -> nn.Module:
         level=recipe.level, dtype=recipe.dtype, low_pin=recipe.low_pin, fp32_pin=recipe.fp32_pin
     )
     return convert_module_level(module, unit_recipe, output_dtype=None, prefix=prefix, copy=False)
-
-
-def low_precision_parameters(
-    module: nn.Module,
-) -> tuple[torch.dtype, tuple[tuple[nn.Module, str], ...]]:
-    """The low dtype of a module converted at O2/O3 and the Parameters it casts at use.
-
-    Returns ``(dtype, ((owner, name), ...))``: ``getattr(owner, name)`` is a Parameter the
-    forward computes with in ``dtype``. Replacing it with ``setattr(owner, name, p)`` (a
-    Parameter already in ``dtype``) makes the forward use ``p`` as it is, with no cast.
-    This is how the training step gives the model low-precision Parameters of its own.
-
-    Raises:
-        TypeError: ``module`` was not converted at module level.
-
-    Example:
-        >>> net = mixprec.auto_mixed_precision(torch.nn.Linear(2, 2), "O2", "bf16")
-        >>> dtype, slots = low_precision_parameters(net)
-        >>> dtype, [name for _, name in slots]
-        (torch.bfloat16, ['weight', 'bias'])
-    """
-    forward = module.__dict__.get("forward")
-    if not isinstance(forward, CastAtUseForward):
-        raise TypeError(
-            f"expected a module converted at level O2 or O3; got {type(module).__name__}"
-        )
-    return forward.dtype, tuple((slot.owner, slot.name) for slot in forward.slots)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.convert.module_level import low_precision_parameters
+from mixprec.convert.cast_at_use import low_precision_parameters
 
 __all__ = ["MasterWeights"]
 
@@ -56,11 +56,11 @@ class MasterWeights:
     def install(cls, converted: nn.Module) -> MasterWeights:
         """Give every Parameter ``converted`` casts at use a low-precision Parameter of
         its own; the float32 ones become the masters. Refuses anything but float32."""
-        dtype, slots = low_precision_parameters(converted)
+        records = low_precision_parameters(converted)
+        slots = [(record.owner, record.name) for record in records]
         lows: dict[int, nn.Parameter] = {}
         pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-        for owner, name in slots:
-            master = getattr(owner, name)
+        for owner, name, master, dtype in records:
             if not isinstance(master, nn.Parameter) or master.dtype == dtype:
                 continue
             low = lows.get(id(master))

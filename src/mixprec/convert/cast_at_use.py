@@ -1,0 +1,359 @@
+"""Cast at use: low-precision weights that every entry point of a converted module sees.
+
+A module converted at O2/O3 keeps the user's float32 Parameters in its ``_parameters``
+(same objects, so ``state_dict``, optimizers, ``load_state_dict`` and ``.data`` writes all
+reach the one true tensor). Its low-precision view is made **while a module of the
+conversion runs**, in the thread that runs it:
+
+1. every module of the converted tree has an instance ``forward`` (:class:`ModuleCall`)
+   that marks the call as running in this thread, whichever way the call came (the root's
+   ``forward``, a submodule called directly, ``generate()`` or a feature method calling its
+   parts, a checkpointed recomputation in backward);
+2. a module whose Parameters compute in low precision holds them in a
+   :class:`LowParameters` dict: reading ``module.weight`` (or ``module.parameters()``)
+   inside a running call returns the weight cast to the low dtype, cast once per
+   outermost call and thread (a tied weight is cast once), so ``self.weight.dtype`` and
+   ``self.parameters()`` say what the module computes in; outside a call it returns the
+   stored Parameter. Nothing shared is mutated, so two threads can run one model at once;
+3. while a call runs, :class:`MixedOperands` applies ``torch.autocast``'s rule to
+   operands the model itself mixes (a float32 buffer, a tensor made with ``.float()`` or
+   a float32 mask, meeting a low-precision activation): an op on autocast's
+   lower-precision list (``linear``, ``matmul``, ``conv*``, ``bmm``, ``addmm``,
+   ``baddbmm``, ``einsum``, attention, ...) computes in the low dtype; every other op
+   follows PyTorch's type promotion (float32 wins), never a dtype error.
+
+The default casts afresh on each outermost call, so every write is seen.
+:func:`reuse_weight_casts` is the opt-in inference cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+import types
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from mixprec.policy import lists
+from mixprec.policy.dtypes import is_castable
+from mixprec.policy.ops import cast_tree, op_name
+
+__all__ = [
+    "CastState",
+    "LowParameter",
+    "LowParameters",
+    "MixedOperands",
+    "ModuleCall",
+    "low_precision_parameters",
+    "reuse_weight_casts",
+]
+
+_LOWER_OPS = lists.CPU_LOWER_OPS | lists.CUDA_LOWER_OPS
+
+# a cache entry: (weak reference to the stored tensor, (version, data pointer), its cast)
+_Entry = tuple["weakref.ref[torch.Tensor]", tuple[int, int], torch.Tensor]
+
+
+def _tracing() -> bool:
+    """Under ``torch.compile`` (TorchDynamo), which graph-breaks on thread-local state and
+    on entering a mode: weights are cast at each read, inside the graph, and mixed
+    operands are not rewritten. ``torch.export`` (non-strict) runs the eager path."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor._version)
+    except RuntimeError:  # an inference tensor has no version counter
+        return -1
+
+
+class _Frame:
+    """One thread's outermost running call of a conversion: its casts and its mode."""
+
+    __slots__ = ("casts", "depth", "mode")
+
+    def __init__(self, mode: MixedOperands) -> None:
+        self.depth = 0
+        self.casts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.mode = mode
+
+
+class CastState:
+    """Which threads are inside a call of one conversion, and their weight casts.
+
+    One per conversion, shared by every :class:`ModuleCall` and :class:`LowParameters`
+    of it. Copies (``deepcopy``, pickle) get a fresh state.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._local = threading.local()
+        # the opt-in cache across calls (reuse_weight_casts); None: cast on every call
+        self.reused: dict[int, _Entry] | None = None
+
+    def __reduce__(self) -> tuple[type[CastState], tuple[torch.dtype]]:
+        return (CastState, (self.dtype,))
+
+    def frame(self) -> _Frame | None:
+        """This thread's running call, or None outside every call."""
+        frame: _Frame | None = getattr(self._local, "frame", None)
+        return frame if frame is not None and frame.depth > 0 else None
+
+    def enter(self) -> _Frame:
+        """Mark a module call of this conversion as running in this thread (pair with
+        :meth:`exit` in a ``finally``)."""
+        frame: _Frame | None = getattr(self._local, "frame", None)
+        if frame is None:
+            frame = self._local.frame = _Frame(MixedOperands(self.dtype))
+        frame.depth += 1
+        if frame.depth == 1:
+            frame.mode.__enter__()
+        return frame
+
+    def exit(self, frame: _Frame) -> None:
+        frame.depth -= 1
+        if frame.depth == 0:
+            frame.casts.clear()
+            frame.mode.__exit__(None, None, None)
+
+    def low(self, tensor: torch.Tensor, frame: _Frame) -> torch.Tensor:
+        """``tensor`` in the low dtype, cast once per outermost call."""
+        hit = frame.casts.get(id(tensor))
+        if hit is not None and hit[0] is tensor:
+            return hit[1]
+        # mixprec's own bookkeeping is not the model's code: MixedOperands need not see it
+        with torch._C.DisableTorchFunction():
+            low = tensor
+            if tensor.dtype != self.dtype and is_castable(tensor):
+                reused = self._reused(tensor)
+                low = tensor.to(self.dtype) if reused is None else reused
+        frame.casts[id(tensor)] = (tensor, low)
+        return low
+
+    def _reused(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        reused = self.reused
+        if reused is None or (torch.is_grad_enabled() and tensor.requires_grad):
+            return None  # a cast that autograd must see is never reused
+        key = (_version(tensor), tensor.data_ptr())
+        hit = reused.get(id(tensor))
+        if hit is not None and hit[0]() is tensor and hit[1] == key:
+            return hit[2]
+        low = tensor.detach().to(self.dtype)
+        reused[id(tensor)] = (weakref.ref(tensor), key, low)
+        return low
+
+
+class LowParameters(dict[str, Any]):
+    """A module's ``_parameters`` whose ``names`` compute in low precision.
+
+    Holds the stored Parameters unchanged. Reading one by name (what ``module.weight``
+    does) or iterating ``items()`` (what ``module.parameters()`` does) inside a running
+    call of the conversion gives its low-precision cast; anywhere else, the Parameter.
+    """
+
+    def __init__(self, table: dict[str, Any], names: frozenset[str], state: CastState) -> None:
+        super().__init__(table)
+        self.names = names
+        self.state = state
+
+    def __getitem__(self, name: str) -> Any:
+        value = dict.__getitem__(self, name)
+        if value is None or name not in self.names:
+            return value
+        if _tracing():
+            return value.to(self.state.dtype) if is_castable(value) else value
+        frame = self.state.frame()
+        return value if frame is None else self.state.low(value, frame)
+
+    def items(self) -> Any:
+        if _tracing() or self.state.frame() is None:
+            return dict.items(self)
+        return [(name, self[name]) for name in dict.keys(self)]
+
+    def values(self) -> Any:
+        if _tracing() or self.state.frame() is None:
+            return dict.values(self)
+        return [self[name] for name in dict.keys(self)]
+
+    def stored(self) -> Iterator[tuple[str, Any]]:
+        """``(name, stored tensor)`` for the low-precision names (never cast)."""
+        for name in self.names:
+            if name in self:
+                yield name, dict.__getitem__(self, name)
+
+
+class MixedOperands(TorchFunctionMode):
+    """autocast's rule for operands a model mixes: an op on autocast's lower-precision
+    list whose floating operands mix float32 with ``dtype`` runs in ``dtype``; all-float32
+    operands stay float32 (math the model chose to do in float32); other ops follow
+    PyTorch's type promotion."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self._lower: dict[Any, bool] = {}
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        lower = self._lower.get(func)
+        if lower is None:
+            lower = self._lower[func] = op_name(func) in _LOWER_OPS
+        if lower and self._mixed(args, kwargs):
+            args, kwargs = cast_tree((args, kwargs), self.dtype)
+        return func(*args, **kwargs)
+
+    def _mixed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        low = wide = False
+        for value in (*args, *kwargs.values()):
+            for leaf in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(leaf, torch.Tensor) and is_castable(leaf):
+                    if leaf.dtype == self.dtype:
+                        low = True
+                    else:
+                        wide = True
+        return low and wide
+
+
+class ModuleCall:
+    """The instance ``forward`` of every module of a conversion.
+
+    Runs the module's own ``forward`` (the instance's, if it had one, else its class's)
+    as a running call of the conversion; the root also casts floating inputs to the low
+    dtype and floating outputs to ``output_dtype``. Recurrent layers run on a per-call
+    view whose flat weights are the casts, so the shared module is never written.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        state: CastState,
+        *,
+        root: bool = False,
+        output_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.module = module
+        self.state = state
+        self.root = root
+        self.output_dtype = output_dtype
+        self.inner: Callable[..., Any] | None = module.__dict__.get("forward")
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The wrapped forward's signature (what ``inspect``, ``generate()``'s argument
+        checks and ``torch.export`` see)."""
+        inner = self.inner or functools.partial(type(self.module).forward, self.module)
+        return inspect.signature(inner)
+
+    @property
+    def __code__(self) -> types.CodeType:
+        """The wrapped forward's code object (``torch.export`` reads its name and place)."""
+        code = getattr(self.inner or type(self.module).forward, "__code__", None)
+        return code if isinstance(code, types.CodeType) else type(self).__call__.__code__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.root:
+            args, kwargs = cast_tree((args, kwargs), self.state.dtype)
+        if _tracing():
+            out = self._run(args, kwargs)
+        else:
+            frame = self.state.enter()
+            try:
+                out = self._run(args, kwargs)
+            finally:
+                self.state.exit(frame)
+        return out if self.output_dtype is None else cast_tree(out, self.output_dtype)
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        module = self.module
+        if isinstance(module, nn.RNNBase) and isinstance(module._parameters, LowParameters):
+            view = type(module).__new__(type(module))
+            view.__dict__.update(module.__dict__)
+            module = view  # its _update_flat_weights() writes the view, not the module
+        return type(module).forward(module, *args, **kwargs)
+
+
+class LowParameter(NamedTuple):
+    """A Parameter a converted module computes with in low precision: ``owner.<name>``."""
+
+    owner: nn.Module
+    name: str
+    parameter: torch.Tensor
+    dtype: torch.dtype
+
+
+def low_precision_parameters(converted: nn.Module) -> list[LowParameter]:
+    """Every (owner, name, stored Parameter, low dtype) that computes in low precision.
+
+    A tied Parameter appears once per owner. What a training step needs to give the model
+    low-precision Parameters of its own: storing a low-precision Parameter at
+    ``owner._parameters[name]`` makes the module compute with it (no cast).
+
+    Raises:
+        TypeError: ``converted`` holds no module converted at O2 or O3.
+
+    Example:
+        >>> fast = mixprec.auto_mixed_precision(torch.nn.Linear(4, 4), "O2", "bf16")
+        >>> [(p.name, p.dtype) for p in low_precision_parameters(fast)]
+        [('bias', torch.bfloat16), ('weight', torch.bfloat16)]
+    """
+    found: list[LowParameter] = []
+    seen = False
+    for module in converted.modules():
+        table = module.__dict__.get("_parameters")
+        if isinstance(module.__dict__.get("forward"), ModuleCall):
+            seen = True
+        if isinstance(table, LowParameters):
+            dtype = table.state.dtype
+            found += [LowParameter(module, n, p, dtype) for n, p in sorted(table.stored())]
+    if not seen:
+        raise TypeError(
+            f"converted must be a module converted at O2 or O3; got {type(converted).__name__}"
+        )
+    return found
+
+
+@contextlib.contextmanager
+def reuse_weight_casts(converted: nn.Module) -> Iterator[None]:
+    """Opt-in inference cache: inside the block, weight casts are kept across calls.
+
+    A cast is reused until its weight's version counter or storage changes (in-place
+    updates, ``load_state_dict``); a write through ``.data`` does not bump the version
+    counter and is NOT seen, which is why the default casts on every call. Casts autograd
+    must record (gradients on and a weight that requires them) are never reused.
+
+    Example:
+        >>> with torch.no_grad(), reuse_weight_casts(fast):
+        ...     outputs = [fast(batch) for batch in batches]  # weights cast once
+    """
+    states = {
+        id(call.state): call.state
+        for module in converted.modules()
+        if isinstance(call := module.__dict__.get("forward"), ModuleCall)
+    }
+    if not states:
+        raise TypeError(
+            f"converted must be a module converted at O2 or O3; got {type(converted).__name__}"
+        )
+    for state in states.values():
+        state.reused = {}
+    try:
+        yield
+    finally:
+        for state in states.values():
+            state.reused = None
