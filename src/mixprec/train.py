@@ -34,6 +34,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from mixprec.boost.group_scale import GroupLossScaleManager
+from mixprec.boost.plan import BoostPlan
 from mixprec.distributed import agree_on_overflow
 from mixprec.grads import inverse_scale, unscale_grads_
 from mixprec.levels import Level
@@ -186,6 +188,8 @@ class TrainStep(nn.Module):
         self._micro_step = 0
         self._ledger = StepLedger()
         self._warned = False
+        #: the boost level's decisions and seams (None at boost level O0)
+        self.boost: BoostPlan | None = None
 
     # ------------------------------------------------------------------ what happened
     @property
@@ -225,6 +229,9 @@ class TrainStep(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> torch.Tensor:
         """Run one micro-batch; returns its unscaled float32 loss (detached)."""
         try:
+            if self.boost is not None:
+                network_args = inputs[:-1] if self.loss_fn is not None else inputs
+                self.boost.before_forward(self.network, network_args, self.optimizer_steps)
             if self.loss_fn is not None:
                 if not inputs:
                     raise TypeError(
@@ -249,6 +256,9 @@ class TrainStep(nn.Module):
         except BaseException:
             self._abandon()
             raise
+        finally:
+            if self.boost is not None:
+                self.boost.after_backward()
         self._micro_step += 1
         if self._micro_step == self.config.accumulation_steps:
             self._micro_step = 0
@@ -271,6 +281,8 @@ class TrainStep(nn.Module):
     def _abandon(self) -> None:
         """Drop every gradient of an abandoned step (and its accumulation)."""
         self._micro_step = 0
+        if isinstance(self.loss_scale_manager, GroupLossScaleManager):
+            self.loss_scale_manager.reset_flags()
         if self.masters is not None:
             self.masters.clear_grads()
         self.optimizer.zero_grad(set_to_none=True)
@@ -293,8 +305,11 @@ class TrainStep(nn.Module):
             # one fused pass unscales and checks; with no scale it multiplies by exactly 1,
             # which on CPU is several times faster than an inf-norm reduction
             inverse = torch.ones((), device=device) if scale is None else inverse_scale(scale)
-            found = unscale_grads_(grads, inverse)
-            found = agree_on_overflow(found) if check else torch.zeros_like(found)
+            if isinstance(manager, GroupLossScaleManager):  # each group by its own scale
+                found = manager.unscale_(params)
+            else:
+                found = unscale_grads_(grads, inverse)
+                found = agree_on_overflow(found) if check else torch.zeros_like(found)
             self.found_inf = found
             if self.hooks.after_unscale is not None:
                 self.hooks.after_unscale(self, params)
@@ -349,6 +364,9 @@ class TrainStep(nn.Module):
             return
         if state is None:
             manager.update_loss_scale(self._ledger.read()[0])
+            return
+        if isinstance(manager, GroupLossScaleManager):
+            manager.adjust_groups()
             return
         finite = found == 0
         if self._warming_up and state.dynamic:
@@ -428,4 +446,5 @@ class TrainStep(nn.Module):
             f"level={level}, dtype={dtype}, parameters={params}, master_weights={c.master_weights}, "
             f"loss_scale_manager={self.loss_scale_manager!r}, accumulation_steps={c.accumulation_steps}, "
             f"clip_grad_norm={c.clip_grad_norm}"
+            + ("" if self.boost is None else f",\nboost={self.boost.summary()}")
         )
