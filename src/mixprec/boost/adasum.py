@@ -66,13 +66,16 @@ def adasum_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[tor
         partner = rank ^ distance
         peer_global = dist.get_global_rank(group, partner) if group is not None else partner
         received = torch.empty_like(result)
-        requests = [dist.isend(result, peer_global, group), dist.irecv(received, peer_global, group)]
+        requests = [
+            dist.isend(result, peer_global, group),
+            dist.irecv(received, peer_global, group),
+        ]
         for request in requests:
-            request.wait()
+            if request is not None:
+                request.wait()
         lower, upper = (result, received) if rank < partner else (received, result)
         pieces = [
-            adasum_pair(x, y)
-            for x, y in zip(lower.split(sizes), upper.split(sizes), strict=True)
+            adasum_pair(x, y) for x, y in zip(lower.split(sizes), upper.split(sizes), strict=True)
         ]
         result = torch.cat(pieces) if pieces else result
         distance *= 2

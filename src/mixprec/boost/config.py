@@ -131,21 +131,21 @@ def parse_boost_config(config: Mapping[str, Any] | None) -> BoostConfig:
                 f"boost_config has an unknown key {key!r}{hint} Its keys: {', '.join(names)}"
             )
     for key, choices in _CHOICES.items():
-        if key in config and not any(
-            config[key] is c or (isinstance(c, str) and config[key] == c) for c in choices
-        ):
-            if not (key == "freeze_type" and config[key] in (0, 1) and type(config[key]) is int):
-                raise ValueError(
-                    f"boost_config[{key!r}] must be one of {', '.join(map(repr, choices))}; "
-                    f"got {config[key]!r}"
-                )
+        value = config.get(key, choices[0])
+        exact = any(value is c or (isinstance(c, str) and value == c) for c in choices)
+        an_int = key == "freeze_type" and type(value) is int and value in choices
+        if not (exact or an_int):
+            raise ValueError(
+                f"boost_config[{key!r}] must be one of {', '.join(map(repr, choices))}; "
+                f"got {value!r}"
+            )
     values = dict(config)
     for key, low in (("param_groups", 1), ("total_steps", 1), ("seed", 0)):
         if key in values:
             values[key] = _check_int(values[key], key, low)
     if "freeze_p" in values:
         p = values["freeze_p"]
-        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= p <= 1:
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= float(p) <= 1:
             raise ValueError(
                 f"boost_config['freeze_p'] (the share of steps that train every group) must be "
                 f"a number in [0, 1]; got {p!r}"

@@ -59,7 +59,8 @@ def split_groups(network: nn.Module, param_groups: int) -> list[list[nn.Paramete
     units = _units(network)
     count = min(param_groups, len(units))
     sizes = [sum(p.numel() for p in unit) for unit in units]
-    total, groups, done = sum(sizes), [], 0
+    total, done = sum(sizes), 0
+    groups: list[list[nn.Parameter]] = []
     current: list[nn.Parameter] = []
     for index, unit in enumerate(units):
         current.extend(unit)

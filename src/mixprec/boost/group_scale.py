@@ -18,6 +18,12 @@ consecutive layers (module names, in forward order) has its own dynamic scale ``
   each grows after its own window of clean steps (the rule of
   :class:`~mixprec.DynamicLossScaleManager`, from :mod:`mixprec.scale_state`).
 
+The last group's scale multiplies the loss, so it stays at least 1 (MindSpore's floor). The
+other groups may back off below 1, down to ``2**-24``: a layer whose float16 gradients
+overflow even unscaled (large activations or inputs) then trains at a scale under 1, where a
+single scale, floored at 1, would skip every step. Internally such a group's rule runs on
+``scale * 2**24`` (the same :class:`~mixprec.scale_state.LossScaleState`, floor 1).
+
 A skip connection that jumps over a boundary would carry a gradient at the wrong scale, so
 the network is traced (``torch.fx``) when the step is built, and any value computed in one
 group and used past the next boundary is refused with its name. An untraceable network is
@@ -47,6 +53,9 @@ from mixprec.scale_state import (
 from mixprec.scaling import LossScaleManager
 
 __all__ = ["GroupLossScaleManager", "check_boundaries"]
+
+#: groups below the last run their rule on ``scale * OFFSET``: their floor is ``1 / OFFSET``
+OFFSET = 2.0**24
 
 
 class _Rescale(torch.autograd.Function):
@@ -90,9 +99,12 @@ class GroupLossScaleManager(LossScaleManager):
         self._groups = _check_groups(loss_scale_groups)
         factor = check_factor(scale_factor, "scale_factor")
         window = check_count(scale_window, "scale_window")
+        init = check_loss_scale(init_loss_scale, "init_loss_scale")
+        last = len(self._groups) - 1
+        self._offsets = [OFFSET if g < last else 1.0 for g in range(last + 1)]
         self._states = [
-            LossScaleState.create(init_loss_scale, factor, window, name="init_loss_scale")
-            for _ in self._groups
+            LossScaleState.create(init * offset, factor, window, name="init_loss_scale")
+            for offset in self._offsets
         ]
         self._core = self._states[-1]  # the loss is scaled by the last group's scale
         self._scale_factor, self._scale_window = factor, window
@@ -107,7 +119,11 @@ class GroupLossScaleManager(LossScaleManager):
 
     def get_loss_scales(self) -> list[float]:
         """Every group's scale, in forward order (reads the device)."""
-        return torch.stack([s.scale for s in self._states]).tolist()
+        return torch.stack([self._scale(g) for g in range(len(self._states))]).tolist()
+
+    def _scale(self, group: int) -> torch.Tensor:
+        """Group ``group``'s scale, a 0-dim float32 tensor (no sync)."""
+        return self._states[group].scale / self._offsets[group]
 
     def last_overflows(self) -> list[bool]:
         """Which groups overflowed on the last step (reads the device)."""
@@ -157,7 +173,7 @@ class GroupLossScaleManager(LossScaleManager):
         bad = (~torch.isfinite(grad).all()).float()
         flags = self._boundary_bad.to(grad.device)
         self._boundary_bad = flags.index_put((torch.tensor(index, device=grad.device),), bad, True)
-        ratio = self._states[index - 1].scale / self._states[index].scale
+        ratio = self._scale(index - 1) / self._scale(index)
         return (grad.float() * ratio.to(grad.device)).to(grad.dtype)
 
     # ------------------------------------------------------------------ the step's calls
@@ -169,8 +185,11 @@ class GroupLossScaleManager(LossScaleManager):
         for p in params:
             by_group[self._group_of.get(id(p), last)].append(p.grad)
         device = self._core.scale.device
-        found = [unscale_grads_(grads, inverse_scale(s.scale)) for grads, s in zip(by_group, self._states, strict=True)]
-        flags = torch.maximum(torch.stack([f.to(device) for f in found]), self._boundary_bad.to(device))
+        found = [
+            unscale_grads_(grads, inverse_scale(self._scale(g))) for g, grads in enumerate(by_group)
+        ]
+        flags = torch.stack([f.to(device) for f in found])
+        flags = torch.maximum(flags, self._boundary_bad.to(device))
         self._last_flags = agree_on_overflow(flags)
         self._boundary_bad = torch.zeros_like(flags)
         return self._last_flags.amax()
@@ -218,7 +237,7 @@ class GroupLossScaleManager(LossScaleManager):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         return {
-            "loss_scales": torch.stack([s.scale for s in self._states]).detach().clone(),
+            "loss_scales": torch.stack([self._scale(g) for g in range(len(self._states))]),
             "good_steps": torch.stack([s.good_steps for s in self._states]).detach().clone(),
             "bad_steps": torch.stack([s.bad_steps for s in self._states]).detach().clone(),
             "loss_scale_groups": self.loss_scale_groups,
@@ -247,15 +266,17 @@ class GroupLossScaleManager(LossScaleManager):
         for name in ("loss_scales", "good_steps", "bad_steps"):
             values = torch.as_tensor(state[name]).flatten().tolist()
             if len(values) != len(self._groups):
-                raise ValueError(f"{owner}: {name} must hold {len(self._groups)} values; got {values!r}")
+                raise ValueError(
+                    f"{owner}: {name} must hold {len(self._groups)} values; got {values!r}"
+                )
             rows[name] = values
-        for scale, good, bad in zip(*rows.values(), strict=True):
-            check_loss_scale(scale, "loss_scales")
+        for scale, good, bad, offset in zip(*rows.values(), self._offsets, strict=True):
+            check_loss_scale(scale * offset, f"loss_scales (times {offset:g})")
             check_counter_below(check_steps(int(good), "good_steps"), "good_steps", window)
             check_steps(int(bad), "bad_steps")
         self._scale_factor, self._scale_window = factor, window
         for index, state_g in enumerate(self._states):
-            state_g.scale.fill_(rows["loss_scales"][index])
+            state_g.scale.fill_(rows["loss_scales"][index] * self._offsets[index])
             state_g.good_steps.fill_(int(rows["good_steps"][index]))
             state_g.bad_steps.fill_(int(rows["bad_steps"][index]))
             self._states[index] = dataclasses.replace(state_g, factor=factor, window=window)
@@ -320,7 +341,7 @@ def check_boundaries(network: nn.Module, groups: Sequence[Sequence[str]]) -> Non
 
     try:
         graph = _Tracer().trace(network)
-    except Exception as error:  # noqa: BLE001 - any tracing failure means "cannot check"
+    except Exception as error:  # any tracing failure means "cannot check"
         warn(
             f"GroupLossScaleManager: the network cannot be traced ({type(error).__name__}), so "
             "skip connections across group boundaries are not checked; make sure every value "

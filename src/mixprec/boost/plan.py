@@ -63,7 +63,9 @@ class BoostPlan:
     _first: bool = True
     _started: float = 0.0
 
-    def before_forward(self, network: nn.Module, args: tuple[Any, ...], optimizer_step: int) -> None:
+    def before_forward(
+        self, network: nn.Module, args: tuple[Any, ...], optimizer_step: int
+    ) -> None:
         """First call: the layout trial and the compile; every call: freeze this step's groups."""
         if self._first:
             self._first = False
@@ -77,15 +79,19 @@ class BoostPlan:
             self.freeze.end()
         if self.compile_seconds is None and self.decisions["compile"].on:
             self.compile_seconds = time.perf_counter() - self._started
-            self.decisions["compile"].why += f"; first call incl. compile {self.compile_seconds:.1f} s"
+            self.decisions[
+                "compile"
+            ].why += f"; first call incl. compile {self.compile_seconds:.1f} s"
 
     def _first_call(self, network: nn.Module, args: tuple[Any, ...]) -> None:
-        target = network.module if isinstance(network, nn.parallel.DistributedDataParallel) else network
+        target = (
+            network.module if isinstance(network, nn.parallel.DistributedDataParallel) else network
+        )
         layout = self.decisions["channels_last"]
         if layout.on is None:
             try:
                 eager, cl = time_layouts(target, args)
-            except Exception as error:  # noqa: BLE001 - a failed trial only means "off"
+            except Exception as error:  # a failed trial only means "off"
                 layout.on, layout.why = False, f"trial failed: {type(error).__name__}"
             else:
                 layout.on = eager / cl >= self.config.min_speedup
@@ -103,7 +109,7 @@ class BoostPlan:
 
 
 def _to_channels_last(network: nn.Module, masters: Any) -> None:
-    network.to(memory_format=torch.channels_last)
+    network.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     for master in [] if masters is None else masters.masters:
         if master.dim() == 4:
             master.data = master.data.contiguous(memory_format=torch.channels_last)
@@ -111,8 +117,10 @@ def _to_channels_last(network: nn.Module, masters: Any) -> None:
 
 def _decide_optimizer(optimizer: torch.optim.Optimizer, config: BoostConfig) -> Decision:
     groups = optimizer.param_groups
-    current = "fused" if any(g.get("fused") for g in groups) else (
-        "foreach" if any(g.get("foreach") for g in groups) else "default"
+    current = (
+        "fused"
+        if any(g.get("fused") for g in groups)
+        else ("foreach" if any(g.get("foreach") for g in groups) else "default")
     )
     if config.optimizer == "off":
         return Decision("optimizer", False, "boost_config optimizer='off'")
@@ -121,13 +129,17 @@ def _decide_optimizer(optimizer: torch.optim.Optimizer, config: BoostConfig) -> 
     if optimizer.state:
         return Decision("optimizer", False, "the optimizer already holds state")
     if not any("fused" in g or "foreach" in g for g in groups):
-        return Decision("optimizer", False, f"{type(optimizer).__name__} has no fused/foreach kernels")
+        return Decision(
+            "optimizer", False, f"{type(optimizer).__name__} has no fused/foreach kernels"
+        )
     impls = ("default", "fused", "foreach") if config.optimizer == "auto" else (config.optimizer,)
     times = time_optimizer_impls(optimizer, impls)
     if config.optimizer != "auto":
         choice, seconds = config.optimizer, times[config.optimizer]
         if isinstance(seconds, str):
-            warn(f"boost: {type(optimizer).__name__} cannot run {choice} here ({seconds}); left off")
+            warn(
+                f"boost: {type(optimizer).__name__} cannot run {choice} here ({seconds}); left off"
+            )
             return Decision("optimizer", False, f"{choice} unavailable")
         why = f"boost_config optimizer={choice!r}"
     else:
@@ -135,7 +147,9 @@ def _decide_optimizer(optimizer: torch.optim.Optimizer, config: BoostConfig) -> 
         base = measured.get("default")
         choice = min(measured, key=measured.__getitem__)
         if base is None or choice == "default" or base / measured[choice] < config.min_speedup:
-            ratios = ", ".join(f"{k} {base / v:.2f}x" for k, v in measured.items() if k != "default" and base)
+            ratios = ", ".join(
+                f"{k} {base / v:.2f}x" for k, v in measured.items() if k != "default" and base
+            )
             return Decision("optimizer", False, f"no kernel faster: {ratios or 'none available'}")
         why = f"{choice} measured {base / measured[choice]:.2f}x faster per step"
     for group in groups:
@@ -170,7 +184,9 @@ def plan_boost(
     else:
         d["channels_last"] = Decision("channels_last", None, "timed on the first batch")
     if config.compile in (True, False):
-        d["compile"] = Decision("compile", bool(config.compile), f"boost_config, backend {config.compile_backend!r}")
+        d["compile"] = Decision(
+            "compile", bool(config.compile), f"boost_config, backend {config.compile_backend!r}"
+        )
     elif device.type == "cuda":
         d["compile"] = Decision("compile", True, "rule: on for CUDA")
     else:
@@ -184,7 +200,9 @@ def plan_boost(
     if freeze_on:
         plan.freeze = _plan_freeze(plan, network, ddp)
     else:
-        d["freeze"] = Decision("freeze", False, "level O1" if config.freeze is None else "boost_config")
+        d["freeze"] = Decision(
+            "freeze", False, "level O1" if config.freeze is None else "boost_config"
+        )
     d["adasum"] = _plan_adasum(level, config, ddp)
     return plan
 

@@ -36,11 +36,9 @@ def median_seconds(run: Callable[[], object], warmup: int = 2, budget: float = _
 
 
 def _impl_flags(impl: str) -> dict[str, bool | None]:
-    return {
-        "default": {"fused": None, "foreach": None},
-        "fused": {"fused": True, "foreach": False},
-        "foreach": {"fused": False, "foreach": True},
-    }[impl]
+    fused: bool | None = None if impl == "default" else impl == "fused"
+    foreach: bool | None = None if impl == "default" else impl == "foreach"
+    return {"fused": fused, "foreach": foreach}
 
 
 def time_optimizer_impls(
@@ -59,9 +57,11 @@ def time_optimizer_impls(
     results: dict[str, float | str] = {}
     for impl in impls:
         try:
-            trial = type(optimizer)(
+            cls: Any = type(optimizer)
+            trial = cls(
                 [
-                    {**{k: v for k, v in g.items() if k != "params"}, "params": c} | _impl_flags(impl)
+                    {**{k: v for k, v in g.items() if k != "params"}, "params": c}
+                    | _impl_flags(impl)
                     for g, c in groups
                 ]
             )
@@ -85,7 +85,7 @@ def time_layouts(network: nn.Module, args: tuple[Any, ...]) -> tuple[float, floa
     a copy of ``network`` and the batch ``args``."""
     trial = copy.deepcopy(network)
     contiguous = median_seconds(lambda: _fwd_bwd(trial, args))
-    trial = trial.to(memory_format=torch.channels_last)
+    trial = trial.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     cl_args = tuple(
         a.contiguous(memory_format=torch.channels_last)
         if isinstance(a, torch.Tensor) and a.dim() == 4
