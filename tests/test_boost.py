@@ -143,14 +143,14 @@ def test_o2_freezes_exactly_the_scheduled_groups_and_still_trains() -> None:
         nn.CrossEntropyLoss(),
         "O0",
         "O2",
-        boost_config={**NO_TIMING, "param_groups": 3, "freeze_p": 0.5, "seed": 7},
+        boost_config={**NO_TIMING, "param_groups": 3, "freeze_p": 0.5, "seed": 0},
         after_unscale=lambda s, params: with_grad.append({id(p) for p in params}),
     )
     assert step.boost is not None and step.boost.freeze is not None
     groups = step.boost.freeze.groups
     x, y = _data()
     first = float(step(x, y))
-    for _ in range(29):
+    for _ in range(15):
         before = [p.detach().clone() for p in model.parameters()]
         index = step.boost.freeze.index(step.optimizer_steps)
         loss = float(step(x, y))
@@ -159,7 +159,7 @@ def test_o2_freezes_exactly_the_scheduled_groups_and_still_trains() -> None:
         for p, old in zip(model.parameters(), before, strict=True):
             assert torch.equal(p.detach(), old) == (id(p) not in trained)
         assert all(p.requires_grad for p in model.parameters())  # restored after backward
-    schedule = [step.boost.freeze.index(i) for i in range(30)]
+    schedule = [step.boost.freeze.index(i) for i in range(16)]
     assert {0, 1, 2} <= set(schedule)
     assert loss < 0.5 * first
     # the same seed trains to the same parameters
@@ -170,9 +170,9 @@ def test_o2_freezes_exactly_the_scheduled_groups_and_still_trains() -> None:
         nn.CrossEntropyLoss(),
         "O0",
         "O2",
-        boost_config={**NO_TIMING, "param_groups": 3, "freeze_p": 0.5, "seed": 7},
+        boost_config={**NO_TIMING, "param_groups": 3, "freeze_p": 0.5, "seed": 0},
     )
-    for _ in range(30):
+    for _ in range(16):
         rerun(x, y)
     for p, q in zip(model.parameters(), again.parameters(), strict=True):
         assert torch.equal(p, q)
