@@ -17,7 +17,7 @@ Register with ``ddp.register_comm_hook(None, adasum_hook)`` (done by boost level
 DDP with a power-of-two world size).
 """
 
-from __future__ import annotations
+# no `from __future__ import annotations`: DDP checks the hook's annotations as objects
 
 from typing import Any
 
