@@ -219,3 +219,25 @@ def test_freezing_under_compile_beyond_the_recompile_limit_is_refused() -> None:
                 "freeze_type": 0,
             },
         )
+
+
+def test_compile_with_master_weights_captures_one_graph() -> None:
+    """The hooks (the master weights' check of outside writes) stay out of the graph."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    step = amp.build_train_network(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        nn.CrossEntropyLoss(),
+        "O2",
+        "O1",
+        dtype="bf16",
+        boost_config={"optimizer": "off", "compile": True, "compile_backend": "eager"},
+    )
+    before = counters["stats"]["unique_graphs"]
+    for _ in range(10):
+        step(torch.randn(4, 4), torch.randint(0, 2, (4,)))
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert "compile=on (boost_config, backend 'eager'; first call incl. compile" in repr(step)
