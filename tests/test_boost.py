@@ -146,7 +146,8 @@ def test_o2_freezes_exactly_the_scheduled_groups_and_still_trains() -> None:
         boost_config={**NO_TIMING, "param_groups": 3, "freeze_p": 0.5, "seed": 0},
         after_unscale=lambda s, params: with_grad.append({id(p) for p in params}),
     )
-    assert step.boost is not None and step.boost.freeze is not None
+    assert step.boost is not None
+    assert step.boost.freeze is not None
     groups = step.boost.freeze.groups
     x, y = _data()
     first = float(step(x, y))

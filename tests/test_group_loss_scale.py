@@ -69,7 +69,8 @@ def test_each_group_is_unscaled_by_its_own_scale() -> None:
     )
     manager.load_state_dict(manager.state_dict() | {"loss_scales": torch.tensor([8.0, 4096.0])})
     step(x, y)
-    assert not step.overflow and step.loss_scale == 4096.0
+    assert not step.overflow
+    assert step.loss_scale == 4096.0
     for got, want in zip(seen, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
@@ -87,7 +88,8 @@ def test_only_the_overflowing_group_backs_off_and_the_step_is_skipped() -> None:
         loss_scale_manager=manager,
     )
     step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
-    assert step.overflow and step.skipped_steps == 1
+    assert step.overflow
+    assert step.skipped_steps == 1
     assert manager.last_overflows() == [True, True]  # the inf flows down into group 0
     assert manager.get_loss_scales() == [2.0**24, 2.0**23]
     for p, old in zip(model.parameters(), before, strict=True):
