@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["median_seconds", "time_layouts", "time_optimizer_impls"]
+__all__ = ["interleaved_medians", "median_seconds", "time_layouts", "time_optimizer_impls"]
 
 #: repetitions stop after this much time per candidate (seconds) or 15 repetitions
 _BUDGET_S = 0.25
@@ -33,6 +33,25 @@ def median_seconds(run: Callable[[], object], warmup: int = 2, budget: float = _
         run()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def interleaved_medians(
+    runs: dict[str, Callable[[], object]], warmup: int = 2, budget: float = _BUDGET_S
+) -> dict[str, float]:
+    """Median seconds of each ``run()``, the candidates timed in turn, round by round, so
+    a burst of load from other processes hits every candidate alike."""
+    for run in runs.values():
+        for _ in range(warmup):
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    start, rounds = time.perf_counter(), 0
+    while rounds < 3 or (rounds < 15 and time.perf_counter() - start < budget * len(runs)):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+        rounds += 1
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def _impl_flags(impl: str) -> dict[str, bool | None]:
@@ -84,13 +103,17 @@ def time_layouts(network: nn.Module, args: tuple[Any, ...]) -> tuple[float, floa
     """Seconds per forward + backward in the contiguous and the channels-last layout, on
     a copy of ``network`` and the batch ``args``."""
     trial = copy.deepcopy(network)
-    contiguous = median_seconds(lambda: _fwd_bwd(trial, args))
-    trial = trial.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    other = copy.deepcopy(network).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     cl_args = tuple(
         a.contiguous(memory_format=torch.channels_last)
         if isinstance(a, torch.Tensor) and a.dim() == 4
         else a
         for a in args
     )
-    channels_last = median_seconds(lambda: _fwd_bwd(trial, cl_args))
-    return contiguous, channels_last
+    medians = interleaved_medians(
+        {
+            "contiguous": lambda: _fwd_bwd(trial, args),
+            "channels_last": lambda: _fwd_bwd(other, cl_args),
+        }
+    )
+    return medians["contiguous"], medians["channels_last"]
