@@ -21,6 +21,7 @@ PUBLIC = {
     "DynamicLossScaleManager",
     "DynamicLossScaler",
     "FixedLossScaleManager",
+    "GroupLossScaleManager",
     "Level",
     "LossScaleManager",
     "LintReport",

@@ -442,8 +442,8 @@ def test_errors() -> None:
         amp.build_train_network(model, opt, level="O4")
     with pytest.raises(ValueError, match="dtype must be one of"):
         amp.build_train_network(model, opt, level="O2", dtype="int8")
-    with pytest.raises(NotImplementedError, match="boost_level='O1'"):
-        amp.build_train_network(model, opt, boost_level="O1")
+    with pytest.raises(ValueError, match="boost_config has an unknown key 'freez'"):
+        amp.build_train_network(model, opt, boost_level="O1", boost_config={"freez": True})
     with pytest.raises(ValueError, match="accumulation_steps must be a positive int; got 0"):
         amp.build_train_network(model, opt, accumulation_steps=0)
     with pytest.raises(

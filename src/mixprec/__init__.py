@@ -5,6 +5,7 @@ time and a cast plan you can read before running; a training step with loss scal
 that says when and why it skipped.
 """
 
+from mixprec.boost import GroupLossScaleManager
 from mixprec.convert.api import (
     auto_mixed_precision,
     custom_mixed_precision,
@@ -39,6 +40,7 @@ __all__ = [
     "DynamicLossScaleManager",
     "DynamicLossScaler",
     "FixedLossScaleManager",
+    "GroupLossScaleManager",
     "Level",
     "LintReport",
     "LossScaleManager",

@@ -15,13 +15,16 @@ import enum
 import functools
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
 
 from mixprec._warn import warn
+from mixprec.boost.config import BoostLevel, parse_boost_config
+from mixprec.boost.group_scale import GroupLossScaleManager, check_boundaries
+from mixprec.boost.plan import plan_boost
 from mixprec.convert.api import check_network, convert
 from mixprec.distributed.replicas import Replicas, ddp_of, find_replicas, fsdp_of
 from mixprec.distributed.shard import sharded_level
@@ -84,23 +87,6 @@ def _parse_cast_model_type(value: object) -> torch.dtype:
             "cast_model_type must be torch.float32 ('fp32', 'float32') or a low-precision dtype "
             f"(torch.bfloat16, torch.float16, 'bf16', 'fp16', ...); got {value!r}"
         ) from None
-
-
-def _check_boost_level(boost_level: object) -> None:
-    choices = ("O0", "O1", "O2")
-    if not isinstance(boost_level, str):
-        raise TypeError(f"boost_level must be one of {choices}; got {boost_level!r}")
-    if boost_level.upper() not in choices:
-        close = difflib.get_close_matches(boost_level.upper(), choices, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(
-            f"boost_level must be one of {', '.join(map(repr, choices))}; got {boost_level!r}{hint}"
-        )
-    if boost_level.upper() != "O0":
-        raise NotImplementedError(
-            f"boost_level={boost_level!r} (MindSpore's LessBN, GradientFreeze, AdaSum) is not "
-            "available in mixprec; use 'O0'"
-        )
 
 
 def _check_float_parameters(network: nn.Module, level: Level, low: torch.dtype | None) -> None:
@@ -240,7 +226,7 @@ def build_train_network(
     optimizer: torch.optim.Optimizer,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     level: str | Level = "O0",
-    boost_level: str = "O0",
+    boost_level: str | BoostLevel = "O0",
     *,
     dtype: torch.dtype | str | None = None,
     cast_model_type: torch.dtype | str | None = None,
@@ -256,6 +242,7 @@ def build_train_network(
     after_skip: Callable[[TrainStep], None] | None = None,
     debug_overflow: bool = False,
     process_group: Any = None,
+    boost_config: Mapping[str, Any] | None = None,
 ) -> TrainStep:
     """Build a mixed-precision training step.
 
@@ -265,7 +252,9 @@ def build_train_network(
         optimizer: a ``torch.optim`` optimizer built on ``network``'s parameters.
         loss_fn: ``loss_fn(output, label)``; None when the network returns its loss.
         level: "O0", "O1", "O2", "O3", "autocast" or "auto" (the device's recommendation).
-        boost_level: MindSpore's boost level; only "O0" (no boost) is available.
+        boost_level: "O0" (none), "O1" (speedups that keep accuracy, each only where
+            it measures faster) or "O2" (O1 plus gradient freezing and, under DDP, AdaSum);
+            ``repr(step)`` says what was switched on and why.
         dtype: the low dtype (default: the device's usual one).
         cast_model_type: the dtype of the model's Parameters: float32 = cast at use, the
             low dtype = low-precision Parameters (default for O2/O3).
@@ -286,6 +275,7 @@ def build_train_network(
             one host sync per step.
         process_group: the ranks the step agrees with under ``torch.distributed``
             (default: the DDP's or FSDP2 mesh's own group, else the whole world).
+        boost_config: options of the boost level (see :class:`mixprec.boost.BoostConfig`).
 
     Returns:
         A :class:`TrainStep`: ``loss = step(*inputs, label)`` (or ``step(*inputs, **kwargs)``
@@ -312,7 +302,8 @@ def build_train_network(
         )
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None; got {loss_fn!r}")
-    _check_boost_level(boost_level)
+    boost = BoostLevel.parse(boost_level, "boost_level")
+    boost_options = parse_boost_config(boost_config)
     manager = loss_scale_manager
     if manager is not DEFAULT and manager is not None and not isinstance(manager, LossScaleManager):
         raise TypeError(
@@ -340,6 +331,8 @@ def build_train_network(
         fp32_modules,
         low_modules,
     )
+    if isinstance(manager, GroupLossScaleManager):
+        check_boundaries(inner, manager.loss_scale_groups)
     _check_wrapped(inner, replicas, config)
     # under FSDP2 the parameters are FSDP2's to cast (see mixprec.distributed.fully_shard)
     converted = inner if fsdp is not None else convert(inner, recipe)
@@ -349,6 +342,10 @@ def build_train_network(
         if not config.master_weights:
             _repoint(optimizer, masters)
             masters = None
+    if isinstance(manager, GroupLossScaleManager):
+        pairs = [] if masters is None else list(zip(masters.masters, masters.lows, strict=True))
+        manager.attach(converted, pairs)
+    plan = plan_boost(boost, boost_options, converted, optimizer, ddp, masters)
     if manager is DEFAULT:
         manager = None
         if config.dtype == torch.float16:  # float16 gradients underflow without scaling
@@ -369,7 +366,7 @@ def build_train_network(
         "Build the same step on every rank: pass level and dtype explicitly (not 'auto' on "
         "machines that differ) and give every rank the same loss-scale manager and state",
     )
-    return TrainStep(
+    step = TrainStep(
         converted,
         optimizer,
         loss_fn,
@@ -380,6 +377,8 @@ def build_train_network(
         replicas,
         debug_overflow=debug_overflow,
     )
+    step.boost = plan
+    return step
 
 
 def _check_wrapped(inner: nn.Module, replicas: Replicas, config: TrainConfig) -> None:

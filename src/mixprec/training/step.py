@@ -39,6 +39,8 @@ import torch
 from torch import nn
 
 from mixprec._warn import warn
+from mixprec.boost.group_scale import GroupLossScaleManager
+from mixprec.boost.plan import BoostPlan
 from mixprec.distributed.replicas import Replicas
 from mixprec.distributed.step import ReplicatedStep, local_shard, without_ddp_prefix
 from mixprec.policy.levels import Level
@@ -202,6 +204,8 @@ class TrainStep(nn.Module, ReplicatedStep):
         self._warned = False
         self._disagree = torch.zeros(())  # sticky: 1.0 once the ranks' scale states differed
         self._agreed_steps = 0  # optimizer steps since the build (never checkpointed)
+        #: the boost level's decisions and seams (None at boost level O0)
+        self.boost: BoostPlan | None = None
         self._debugger: Any = None
         self._batch: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None
         if debug_overflow:
@@ -253,6 +257,9 @@ class TrainStep(nn.Module, ReplicatedStep):
         self._check_join()
         last = self._micro_step + 1 == self.config.accumulation_steps
         try:
+            if self.boost is not None:
+                network_args = inputs[:-1] if self.loss_fn is not None else inputs
+                self.boost.before_forward(self.network, network_args, self.optimizer_steps)
             with self._communication(last):
                 if self.loss_fn is not None:
                     if not inputs:
@@ -285,6 +292,9 @@ class TrainStep(nn.Module, ReplicatedStep):
         except BaseException:
             self._abandon()
             raise
+        finally:
+            if self.boost is not None:
+                self.boost.after_backward()
         self._micro_step += 1
         if last:
             self._micro_step = 0
@@ -307,6 +317,8 @@ class TrainStep(nn.Module, ReplicatedStep):
     def _abandon(self) -> None:
         """Drop every gradient of an abandoned step (and its accumulation)."""
         self._micro_step = 0
+        if isinstance(self.loss_scale_manager, GroupLossScaleManager):
+            self.loss_scale_manager.reset_flags()
         if self.masters is not None:
             self.masters.clear_grads()
         self.optimizer.zero_grad(set_to_none=True)
@@ -331,10 +343,14 @@ class TrainStep(nn.Module, ReplicatedStep):
             # one fused pass unscales and checks; with no scale it multiplies by exactly 1,
             # which on CPU is several times faster than an inf-norm reduction
             inverse = torch.ones((), device=device) if scale is None else inverse_scale(scale)
-            found = unscale_grads_(local, inverse)
             chosen = None
-            if self._warming_up and state is not None and state.dynamic:
-                chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
+            if isinstance(manager, GroupLossScaleManager):  # each group by its own scale
+                active = self.replicas.active
+                found = manager.unscale_(params, self.replicas.all_reduce_max if active else None)
+            else:
+                found = unscale_grads_(local, inverse)
+                if self._warming_up and state is not None and state.dynamic:
+                    chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
             found, chosen = self._agree(found, chosen, state, check)
             self.found_inf = found
             if self.hooks.after_unscale is not None:
@@ -398,6 +414,9 @@ class TrainStep(nn.Module, ReplicatedStep):
             return
         if state is None:
             manager.update_loss_scale(self._ledger.read()[0])
+            return
+        if isinstance(manager, GroupLossScaleManager):
+            manager.adjust_groups()
             return
         finite = found == 0
         if chosen is not None:
@@ -477,4 +496,5 @@ class TrainStep(nn.Module, ReplicatedStep):
             f"level={level}, dtype={dtype}, parameters={params}, master_weights={c.master_weights}, "
             f"loss_scale_manager={self.loss_scale_manager!r}, accumulation_steps={c.accumulation_steps}, "
             f"clip_grad_norm={c.clip_grad_norm}"
+            + ("" if self.boost is None else f",\nboost={self.boost.summary()}")
         )
