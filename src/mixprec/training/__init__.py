@@ -6,6 +6,7 @@
 - :mod:`.scale_state`: the one loss-scale core (state in device tensors);
 - :mod:`.scaling`: MindSpore's loss-scale managers and functional scalers on that core;
 - :mod:`.grads`: finiteness checks and fused unscaling;
-- :mod:`.master`: float32 master weights for low-precision parameters;
-- :mod:`.distributed`: one overflow decision for every rank.
+- :mod:`.master`: float32 master weights for low-precision parameters.
+
+Many processes live in :mod:`mixprec.distributed`; boost levels in :mod:`mixprec.boost`.
 """
