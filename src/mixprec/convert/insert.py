@@ -106,6 +106,8 @@ def insert_casts(
     decide: Callable[[fx.Node], Precision],
     infos: dict[fx.Node, Info],
     output_dtype: torch.dtype | None,
+    *,
+    cast_back: bool | None = None,
 ) -> None:
     """Insert the casts every op's precision needs, in place.
 
@@ -115,7 +117,9 @@ def insert_casts(
         decide: the precision of one call node (the caller knows module scopes and leaves).
         infos: static dtype facts about the nodes (see :mod:`mixprec.convert.infer`).
         output_dtype: cast the graph's floating outputs to this (None: leave them).
+        cast_back: cast a low op's result back to float32 (default: under O1).
     """
+    back = recipe.level is Level.O1 if cast_back is None else cast_back
     _functionalize(graph)
     for node in list(graph.nodes):
         if node.op not in ("call_function", "call_method", "call_module") or is_helper(node):
@@ -126,7 +130,7 @@ def insert_casts(
         node.meta[PRECISION_TAG] = precision
         if precision is Precision.LOW:
             _cast_before(graph, node, recipe.dtype, infos)
-            if recipe.level is Level.O1:
+            if back:
                 _cast_after(graph, node, torch.float32)
         elif precision is Precision.FP32:
             _cast_before(graph, node, torch.float32, infos)

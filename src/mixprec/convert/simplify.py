@@ -25,7 +25,7 @@ import torch
 from torch import fx, nn
 
 from mixprec import ops
-from mixprec.convert.infer import Info, infer
+from mixprec.convert.infer import ChildInfo, Info, infer
 from mixprec.convert.insert import CAST_TAG, is_helper, mutated
 
 __all__ = ["VALUE_PRESERVING", "count_casts", "simplify"]
@@ -179,13 +179,14 @@ def _dedupe_and_sweep(graph: fx.Graph) -> bool:
     return changed
 
 
-def simplify(graph: fx.Graph, root: nn.Module) -> int:
+def simplify(graph: fx.Graph, root: nn.Module, child: ChildInfo | None = None) -> int:
     """Remove redundant casts from ``graph`` in place; returns how many were removed
-    (casts moved by rule 3 are counted where they end up)."""
+    (casts moved by rule 3 are counted where they end up). ``child`` says what a child
+    module call returns (see :func:`~mixprec.convert.infer.infer`)."""
     before = count_casts(graph)
     while True:
-        changed = _fold(graph, infer(graph, root))
-        changed |= _sink(graph, infer(graph, root))
+        changed = _fold(graph, infer(graph, root, child=child))
+        changed |= _sink(graph, infer(graph, root, child=child))
         changed |= _dedupe_and_sweep(graph)
         if not changed:
             break
