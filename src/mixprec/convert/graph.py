@@ -31,9 +31,9 @@ from torch import fx, nn
 from mixprec import lists, ops
 from mixprec.convert.capture import call_key, capture, state_key, state_keys
 from mixprec.convert.infer import Info
-from mixprec.convert.insert import insert_casts
+from mixprec.convert.insert import INPLACE_TAG, insert_casts
 from mixprec.convert.module_level import ExtraRepr
-from mixprec.convert.plan import CastPlan, Conversion, PlanRow
+from mixprec.convert.plan import CastPlan, Conversion, PlanRow, RowKind
 from mixprec.convert.rows import RowSource, reason_in_words
 from mixprec.convert.runtime import (
     ForwardBase,
@@ -103,6 +103,8 @@ class Entry:
 
     def compiled(self) -> Any:
         if self.function is None:
+            if not self.scope:  # unpickled: the generated code's globals are rebuilt
+                self.scope = dict(self.graph.python_code("self").globals)
             namespace = dict(self.scope)
             exec(compile(self.source, "<mixprec graph>", "exec"), namespace)  # noqa: S102
             self.function = namespace["forward"]
@@ -145,7 +147,7 @@ class GraphForward(ForwardBase):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["entries"] = {
-            k: None if e is None else Entry(e.graph, e.source, e.scope, e.removed)
+            k: None if e is None else Entry(e.graph, e.source, {}, e.removed)
             for k, e in self.entries.items()
         }
         del state["_lock"]
@@ -231,6 +233,7 @@ def decide_nodes(graph: fx.Graph, module: nn.Module, spec: Spec) -> dict[fx.Node
             child = module.get_submodule(str(node.target))
             decisions[node] = spec.child_precision(child, _join(spec.path, str(node.target)))
             node.meta["mixprec_op"] = module_op(child)
+            node.meta[INPLACE_TAG] = getattr(child, "inplace", False) is True
     return decisions
 
 
@@ -274,13 +277,16 @@ class _Converter:
             module.__dict__["forward"] = PlainForward(module, output, reason)
             self.runtime.append((path, reason))
             return
+        if type(module).forward is nn.Module.forward:
+            return  # a container (ModuleList, ModuleDict): nothing of its own to run
         try:
-            args = _example_args(module)
-            entry = build_entry(module, spec, args, {})
+            args, kwargs = _example_args(module)
+            entry = build_entry(module, spec, args, kwargs)
             if not unit and _one_low_op(entry.graph):  # ReLU: a unit of one listed op
                 spec = Spec(recipe, path, scopes, output, True)
-                entry = build_entry(module, spec, args, {})
-            key = (state_key(module, state_keys(module)), call_key(_signature(module), args, {}))
+                entry = build_entry(module, spec, args, kwargs)
+            state = state_key(module, state_keys(module))
+            key = (state, call_key(_signature(module), args, kwargs))
             module.__dict__["forward"] = GraphForward(module, spec, entry, key)
         except Exception as error:
             force = Precision.LOW if unit else None
@@ -308,19 +314,22 @@ def _signature(module: nn.Module) -> inspect.Signature:
     return full.replace(parameters=list(full.parameters.values())[1:])
 
 
-def _example_args(module: nn.Module) -> tuple[Any, ...]:
+def _example_args(module: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call made at conversion: a tensor for each required argument, every other
     argument left at its default."""
     args: list[Any] = []
+    kwargs: dict[str, Any] = {}
     for param in _signature(module).parameters.values():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.KEYWORD_ONLY):
-            if param.kind is param.KEYWORD_ONLY and param.default is param.empty:
-                raise TypeError(f"keyword-only argument {param.name!r} has no default")
+        if param.default is not param.empty or param.kind in (
+            param.VAR_POSITIONAL,
+            param.VAR_KEYWORD,
+        ):
             continue
-        if param.default is not param.empty:
-            break
-        args.append(torch.empty(0))
-    return tuple(args)
+        if param.kind is param.KEYWORD_ONLY:
+            kwargs[param.name] = torch.empty(0)
+        else:
+            args.append(torch.empty(0))
+    return tuple(args), kwargs
 
 
 def convert_graph(network: nn.Module, recipe: Recipe, *, copy: bool = True) -> nn.Module:
@@ -357,4 +366,4 @@ def unit_weight_rows(module: nn.Module, path: str, recipe: Recipe, inputs: bool)
         if is_castable(tensor) and tensor.dtype != recipe.dtype and id(tensor) not in seen:
             seen.add(id(tensor))
             casts.append((_join(path, name), recipe.dtype))
-    return PlanRow.make(path, type(module).__name__, recipe.dtype, casts, note="unit")
+    return PlanRow.make(path, type(module).__name__, recipe.dtype, casts, kind=RowKind.UNIT)

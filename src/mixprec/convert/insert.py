@@ -30,6 +30,7 @@ from mixprec.levels import Level, Precision, Recipe
 __all__ = ["CAST_TAG", "PRECISION_TAG", "insert_casts", "is_helper", "is_mutation", "mutated"]
 
 CAST_TAG = "mixprec_cast"
+INPLACE_TAG = "mixprec_inplace"
 PRECISION_TAG = "mixprec_precision"
 
 
@@ -45,6 +46,8 @@ def is_helper(node: Any) -> bool:
 def is_mutation(node: fx.Node) -> bool:
     """Does this call write into its first argument (``x.add_(y)``, ``x += y``,
     ``F.relu(x, inplace=True)``)?"""
+    if node.op == "call_module":
+        return bool(node.meta.get(INPLACE_TAG))  # a child built to write its input
     if node.op not in ("call_function", "call_method"):
         return False
     name = ops.op_name(node.target)
@@ -69,6 +72,8 @@ def _functionalize(graph: fx.Graph) -> None:
         ):
             continue
         target = node.args[0]
+        if target.op == "placeholder":
+            continue  # the caller's tensor: the write is what the caller asked for
         if all(order[user] <= order[node] for user in target.users):
             node.kwargs = {**node.kwargs, "inplace": False}
 

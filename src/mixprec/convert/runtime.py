@@ -63,14 +63,20 @@ def decision_table(
     force: Precision | None = None,
 ) -> tuple[dict[Any, Precision], Precision]:
     """``({torch function: precision}, precision of any other call)`` inside ``scopes``."""
-    default = force or recipe.decide(_UNLISTED, scopes)
+    def decide(key: Any) -> Precision:
+        precision = force or recipe.decide(key, scopes)
+        if precision is Precision.FOLLOW and recipe.level is Level.O1:
+            return Precision.FP32  # O1: what the list leaves out computes in float32
+        return precision
+
+    default = decide(_UNLISTED)
     table: dict[Any, Precision] = {}
     for func, key, in_place in _torch_functions():
-        precision = Precision.FOLLOW if in_place else force or recipe.decide(key, scopes)
+        precision = Precision.FOLLOW if in_place else decide(key)
         if precision is not default:
             table[func] = precision
     for func in recipe.leaf_functions:
-        table[func] = force or recipe.decide(op_key(func), scopes)
+        table[func] = decide(op_key(func))
     return table, default
 
 
@@ -186,11 +192,21 @@ class RuntimeForward(ForwardBase):
         reason: str = "",
     ) -> None:
         self.module = module
+        self.recipe, self.scopes, self.force = recipe, tuple(scopes), force
         self.table, self.default = decision_table(recipe, scopes, force)
         self.dtype = recipe.dtype
         self.back = recipe.level is Level.O1 and force is None
         self.output_dtype = output_dtype
         self.reason = reason
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["table"]  # torch functions do not pickle; the table is rebuilt
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.table, self.default = decision_table(self.recipe, self.scopes, self.force)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if any_nested(args, kwargs):  # only a built-in fast path makes these: run as written

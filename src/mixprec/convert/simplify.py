@@ -8,7 +8,7 @@ Five rewrites, repeated until nothing changes, each valid whatever the model's i
 2. **no-op**: ``cast(v, D)`` is ``v`` when ``v`` is known to be ``D`` (or not castable)
    whatever the inputs are (see :class:`mixprec.convert.infer.Info.exact`).
 3. **sinking through value-preserving ops**: ``reshape(cast(v, float32))`` is
-   ``cast(reshape(v), float32)`` for ops whose outputs are some of their input's values
+   ``cast(reshape(v), float32)`` (for any ``v``) for ops whose outputs are some of their input's values
    (view, reshape, permute, transpose, indexing, unbind, split, max pooling, ...): the
    results are the same bits in either order. Moving the cast below them lets rule 1 remove
    a round trip between two low ops that a reshape or a max-pool separates (attention
@@ -141,7 +141,9 @@ def _sink(graph: fx.Graph, infos: dict[fx.Node, Info]) -> bool:
             continue
         source = cast.args[0]
         info = infos.get(source)
-        if info is None or not info.exact or not info.castable or info.dtype == torch.float32:
+        # valid for any source (the moved ops preserve values in every dtype); worth it
+        # only for a value assumed low, whose float32 round trip it then removes
+        if info is None or not info.castable or info.dtype == torch.float32:
             continue
         if _written(cast, source):
             continue
