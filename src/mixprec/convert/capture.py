@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.fx.proxy import TraceError
 
@@ -41,7 +42,7 @@ _SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device, enum.E
 
 def forward_function(module: nn.Module) -> Callable[..., Any]:
     """The plain function that is ``module``'s own forward (class attribute)."""
-    return type(module).forward  # type: ignore[no-any-return]
+    return type(module).forward
 
 
 def state_keys(module: nn.Module) -> tuple[str, ...]:
@@ -78,8 +79,11 @@ def call_key(
     for name, param in signature.parameters.items():
         if name not in bound.arguments:
             default = param.default
-            key.append(("D",) if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) else
-                       _arg_kind(default))
+            key.append(
+                ("D",)
+                if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+                else _arg_kind(default)
+            )
             continue
         value = bound.arguments[name]
         if param.kind is param.VAR_POSITIONAL:
@@ -113,7 +117,9 @@ class _Tracer(fx.Tracer):
         self.shells: dict[int, Any] = {}
         self.classes: dict[type, type] = {}
 
-    def create_proxy(self, kind: str, target: Any, args: Any, kwargs: Any, *a: Any, **k: Any) -> Any:  # type: ignore[override]
+    def create_proxy(
+        self, kind: str, target: Any, args: Any, kwargs: Any, *a: Any, **k: Any
+    ) -> Any:
         if kind in ("call_function", "call_method") and not torch.is_grad_enabled():
             raise TraceError(
                 "it computes with gradients off (a torch.no_grad() block or a custom "
@@ -122,6 +128,16 @@ class _Tracer(fx.Tracer):
         return super().create_proxy(kind, target, args, kwargs, *a, **k)
 
     def create_arg(self, a: Any) -> Any:
+        if (
+            type(a) not in (dict, list, tuple)
+            and isinstance(a, (dict, list, tuple))
+            and not (isinstance(a, tuple) and hasattr(a, "_fields"))
+        ):  # a ModelOutput or other container type: rebuilt as itself
+            leaves, spec = pytree.tree_flatten(a)
+            if not spec.is_leaf():
+                return self.create_node(
+                    "call_function", Rebuild(spec), tuple(self.create_arg(x) for x in leaves), {}
+                )
         if isinstance(a, torch.Tensor) and not isinstance(a, fx.Proxy):
             name = self.tensor_attrs.get(a)
             if name is None:
@@ -143,7 +159,8 @@ class _Tracer(fx.Tracer):
         shell = cls.__new__(cls)
         state = dict(module.__dict__)
         state["_parameters"] = {
-            n: None if p is None else self._attr(_join(path, n)) for n, p in module._parameters.items()
+            n: None if p is None else self._attr(_join(path, n))
+            for n, p in module._parameters.items()
         }
         state["_buffers"] = {
             n: None if b is None else self._attr(_join(path, n)) for n, b in module._buffers.items()
@@ -172,6 +189,20 @@ class _Tracer(fx.Tracer):
         return recording
 
 
+class Rebuild:
+    """A graph call that rebuilds a container of the model's own type (a transformers
+    ``ModelOutput``) from its leaves, so a graph returns what the forward returned."""
+
+    __module__ = __name__
+
+    def __init__(self, spec: pytree.TreeSpec) -> None:
+        self.spec = spec
+        self.__name__ = f"rebuild_{type(self).__name__.lower()}"
+
+    def __call__(self, *leaves: Any) -> Any:
+        return pytree.tree_unflatten(list(leaves), self.spec)
+
+
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
@@ -188,7 +219,9 @@ def _placeholders(
         if param.kind is param.VAR_POSITIONAL:
             node = tracer.create_proxy("placeholder", f"*{name}", (), {})
             values = bound.arguments.get(name, ())
-            call_args.extend(node[i] if isinstance(v, torch.Tensor) else v for i, v in enumerate(values))
+            call_args.extend(
+                node[i] if isinstance(v, torch.Tensor) else v for i, v in enumerate(values)
+            )
             continue
         if param.kind is param.VAR_KEYWORD:
             node = tracer.create_proxy("placeholder", f"**{name}", (), {})
@@ -199,10 +232,10 @@ def _placeholders(
         node = tracer.create_proxy("placeholder", name, default, {})
         value = bound.arguments.get(name, param.default)
         passed = node if isinstance(value, torch.Tensor) else value
-        if param.kind is param.KEYWORD_ONLY:
-            call_kwargs[name] = passed
-        else:
+        if param.kind is param.POSITIONAL_ONLY:
             call_args.append(passed)
+        else:  # by name: decorated forwards (``*args, **kwargs`` wrappers) bind it right
+            call_kwargs[name] = passed
     return call_args, call_kwargs
 
 
@@ -227,7 +260,9 @@ def capture(
     before = dict(shell.__dict__)
     signature = inspect.signature(function)
     params = list(signature.parameters.values())[1:]
-    call_args, call_kwargs = _placeholders(tracer, signature.replace(parameters=params), args, kwargs)
+    call_args, call_kwargs = _placeholders(
+        tracer, signature.replace(parameters=params), args, kwargs
+    )
     with torch.enable_grad():
         result = function(shell, *call_args, **call_kwargs)
     changed = [k for k, v in shell.__dict__.items() if k not in before or before[k] is not v]
@@ -245,6 +280,8 @@ def capture(
     for node in graph.nodes:
         if isinstance(node.type, str):
             node.type = None
+        if node.name == "self":  # a child called "self" must not shadow the module
+            node.name = graph._graph_namespace.create_name("self_", None)
     return Captured(graph, constants)
 
 
@@ -261,7 +298,9 @@ def _with_leaves(function: Callable[..., Any], leaves: tuple[Callable[..., Any],
     patched = dict(scope)
     for name, leaf in names.items():
         patched[name] = _leaf_call(leaf)
-    copy = types.FunctionType(code, patched, function.__name__, function.__defaults__, function.__closure__)
+    copy = types.FunctionType(
+        code, patched, function.__name__, function.__defaults__, function.__closure__
+    )
     copy.__kwdefaults__ = function.__kwdefaults__
     return copy
 

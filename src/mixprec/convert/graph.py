@@ -106,7 +106,7 @@ class Entry:
             if not self.scope:  # unpickled: the generated code's globals are rebuilt
                 self.scope = dict(self.graph.python_code("self").globals)
             namespace = dict(self.scope)
-            exec(compile(self.source, "<mixprec graph>", "exec"), namespace)  # noqa: S102
+            exec(compile(self.source, "<mixprec graph>", "exec"), namespace)
             self.function = namespace["forward"]
         return self.function
 
@@ -120,29 +120,45 @@ class GraphForward(ForwardBase):
     ``torch.compile`` has), or, while being compiled, runs at run time under the lists.
     """
 
-    def __init__(self, module: nn.Module, spec: Spec, entry: Entry, key: Any) -> None:
+    def __init__(
+        self, module: nn.Module, spec: Spec, entry: Entry | None, key: Any, reason: str = ""
+    ) -> None:
         self.module = module
         self.spec = spec
         self.names = state_keys(module)
-        self.signature = inspect.signature(type(module).forward).replace(
-            parameters=list(inspect.signature(type(module).forward).parameters.values())[1:]
-        )
-        self.default_key = key
-        self.entries: dict[Any, Entry | None] = {key: entry}
+        self.signature = _signature(module)
+        self.last_key = key  # the specialisation the plan shows: the latest one called
+        self.entries: dict[Any, Entry | None] = {} if entry is None else {key: entry}
+        self.reasons: dict[Any, str] = {} if entry is not None else {key: reason}
         self._lock = threading.Lock()
+        self._fallback: RuntimeForward | None = None
+
+    @property
+    def current(self) -> Entry | None:
+        """The specialisation used by the latest call (at first: the one made when
+        converting, with every optional argument left at its default)."""
+        return self.entries.get(self.last_key)
+
+    @property
+    def reason(self) -> str:
+        """Why the latest call ran at run time (empty when it ran a graph)."""
+        if self.current is not None:
+            return ""
+        return self.reasons.get(self.last_key, "its forward could not be captured for this call")
 
     @property
     def graph(self) -> fx.Graph:
-        """The graph of the specialisation made at conversion."""
-        entry = self.entries[self.default_key]
-        assert entry is not None
-        return entry.graph
+        """The graph of :attr:`current`."""
+        if self.current is None:
+            raise AttributeError(f"no graph for the latest call: {self.reason}")
+        return self.current.graph
 
     @property
     def code(self) -> str:
-        entry = self.entries[self.default_key]
-        assert entry is not None
-        return entry.source
+        """The generated code of :attr:`current`: every cast shows."""
+        if self.current is None:
+            raise AttributeError(f"no graph for the latest call: {self.reason}")
+        return self.current.source
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -151,6 +167,7 @@ class GraphForward(ForwardBase):
             for k, e in self.entries.items()
         }
         del state["_lock"]
+        state["_fallback"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -170,18 +187,22 @@ class GraphForward(ForwardBase):
             with standing_aside():
                 return type(self.module).forward(self.module, *args, **kwargs)
         key = (state_key(self.module, self.names), call_key(self.signature, args, kwargs))
-        entry = self.entries.get(key, False)
-        if entry is False:
-            entry = self._specialise(key, args, kwargs)
+        entry = self.entries[key] if key in self.entries else self._specialise(key, args, kwargs)
+        if self.last_key != key:
+            self.last_key = key
         with standing_aside():
             if entry is None:
                 return self._runtime()(*args, **kwargs)
             return entry.compiled()(self.module, *args, **kwargs)
 
     def _runtime(self) -> RuntimeForward:
-        spec = self.spec
-        force = Precision.LOW if spec.unit else None
-        return RuntimeForward(self.module, spec.recipe, spec.scopes, spec.output_dtype, force)
+        if self._fallback is None:
+            spec = self.spec
+            force = Precision.LOW if spec.unit else None
+            self._fallback = RuntimeForward(
+                self.module, spec.recipe, spec.scopes, spec.output_dtype, force
+            )
+        return self._fallback
 
     def _specialise(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Entry | None:
         if torch.compiler.is_compiling() or key[1] is None:
@@ -190,8 +211,9 @@ class GraphForward(ForwardBase):
             if key not in self.entries:
                 try:
                     self.entries[key] = build_entry(self.module, self.spec, args, kwargs)
-                except Exception:
+                except Exception as error:
                     self.entries[key] = None
+                    self.reasons[key] = reason_in_words(error)
             return self.entries[key]
 
 
@@ -256,16 +278,18 @@ def infos_for(graph: fx.Graph, module: nn.Module, spec: Spec) -> dict[fx.Node, I
 @dataclass
 class _Converter:
     recipe: Recipe
-    runtime: list[tuple[str, str]] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)
 
-    def convert(self, module: nn.Module, path: str, scopes: Scopes, output: Any, unit: bool) -> None:
+    def convert(
+        self, module: nn.Module, path: str, scopes: Scopes, output: Any, unit: bool
+    ) -> None:
         if id(module) in self.seen:
             return
         self.seen.add(id(module))
         recipe = self.recipe
-        unit = unit or recipe.decide(module_op(module), scopes) is Precision.LOW and (
-            module_op(module) is None or recipe.level is Level.O1
+        unit = unit or (
+            recipe.decide(module_op(module), scopes) is Precision.LOW
+            and (module_op(module) is None or recipe.level is Level.O1)
         )
         for name, child in module._modules.items():
             if child is not None:
@@ -275,27 +299,25 @@ class _Converter:
         if isinstance(module, FAST_PATH_MODULES) and not unit:
             reason = "has a built-in fast path chosen from run-time values; runs its own code"
             module.__dict__["forward"] = PlainForward(module, output, reason)
-            self.runtime.append((path, reason))
             return
         if type(module).forward is nn.Module.forward:
             return  # a container (ModuleList, ModuleDict): nothing of its own to run
+        args, kwargs = _example_args(module)
+        key = (state_key(module, state_keys(module)), call_key(_signature(module), args, kwargs))
         try:
-            args, kwargs = _example_args(module)
             entry = build_entry(module, spec, args, kwargs)
             if not unit and _one_low_op(entry.graph):  # ReLU: a unit of one listed op
                 spec = Spec(recipe, path, scopes, output, True)
                 entry = build_entry(module, spec, args, kwargs)
-            state = state_key(module, state_keys(module))
-            key = (state, call_key(_signature(module), args, kwargs))
             module.__dict__["forward"] = GraphForward(module, spec, entry, key)
         except Exception as error:
-            force = Precision.LOW if unit else None
             reason = reason_in_words(error)
-            module.__dict__["forward"] = RuntimeForward(
-                module, recipe, scopes, output, force, reason
-            )
-            if not unit and module_op(module) is None:  # a one-op module: its caller decides
-                self.runtime.append((path, reason))
+            if unit or module_op(module) is not None:  # a whole-low unit, or one op
+                force = Precision.LOW if unit else None
+                forward = RuntimeForward(module, recipe, scopes, output, force, reason)
+                module.__dict__["forward"] = forward
+            else:  # tried again with the arguments of each new kind of call
+                module.__dict__["forward"] = GraphForward(module, spec, None, key, reason)
 
 
 def _one_low_op(graph: fx.Graph) -> bool:
@@ -342,19 +364,31 @@ def convert_graph(network: nn.Module, recipe: Recipe, *, copy: bool = True) -> n
     output = torch.float32 if recipe.casts_outputs_to_fp32 else None
     converter = _Converter(recipe)
     converter.convert(root, "", (("", root),), output, False)
-    source = RowSource(recipe)
-    rows, removed = source.module_rows(root, "", None)
-    plan = CastPlan(
-        level=recipe.level.value,
-        dtype=dtype_name(recipe.dtype),
-        rows=tuple(rows),
-        casts_removed=removed,
-        runtime_parts=tuple(path for path, _ in converter.runtime),
-        runtime_reasons=tuple(reason for _, reason in converter.runtime),
-    )
-    root.__dict__[CONVERSION_ATTR] = Conversion(recipe, plan)
+    plan_of = PlanOf(root, recipe)
+    root.__dict__[CONVERSION_ATTR] = Conversion(recipe, plan_of(), refresh=plan_of)
     root.__dict__["extra_repr"] = ExtraRepr(root, f"mixprec: {recipe.describe()}")
     return root
+
+
+class PlanOf:
+    """Reads the plan of a converted model from the specialisations its modules used
+    last (at first: those made when converting)."""
+
+    def __init__(self, root: nn.Module, recipe: Recipe) -> None:
+        self.root = root
+        self.recipe = recipe
+
+    def __call__(self) -> CastPlan:
+        source = RowSource(self.recipe)
+        rows, removed = source.module_rows(self.root, "", None)
+        return CastPlan(
+            level=self.recipe.level.value,
+            dtype=dtype_name(self.recipe.dtype),
+            rows=tuple(rows),
+            casts_removed=removed,
+            runtime_parts=tuple(path for path, _ in source.runtime),
+            runtime_reasons=tuple(reason for _, reason in source.runtime),
+        )
 
 
 def unit_weight_rows(module: nn.Module, path: str, recipe: Recipe, inputs: bool) -> PlanRow:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -77,8 +77,10 @@ class PlanRow:
     path: str
     op: str
     dtype: str
-    casts_before: tuple[Cast, ...] = ()
-    casts_after: tuple[Cast, ...] = ()
+    # (value, dtype) pairs; a ``"name -> dtype"`` string (module-level rows) is read into
+    # a Cast when the row is made
+    casts_before: tuple[Any, ...] = ()
+    casts_after: tuple[Any, ...] = ()
     note: str = ""
     kind: RowKind | None = None
 
@@ -105,8 +107,13 @@ class PlanRow:
         """A row from typed parts (a dtype, (value, dtype) casts)."""
         shown = dtype if isinstance(dtype, str) else dtype_name(dtype)
         return cls(
-            path, op, shown, tuple(map(_as_cast, casts_before)),
-            tuple(map(_as_cast, casts_after)), note, kind,
+            path,
+            op,
+            shown,
+            tuple(map(_as_cast, casts_before)),
+            tuple(map(_as_cast, casts_after)),
+            note,
+            kind,
         )
 
     @property
@@ -227,10 +234,12 @@ class CastPlan:
 
 @dataclass(frozen=True)
 class Conversion:
-    """What a converted module carries: its recipe and its plan."""
+    """What a converted module carries: its recipe and its plan (``refresh``, when set,
+    reads the plan again: graph levels show the specialisations last used)."""
 
     recipe: Recipe
     plan: CastPlan
+    refresh: Callable[[], CastPlan] | None = field(default=None, compare=False)
 
 
 def explain(network: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> CastPlan:
@@ -261,9 +270,10 @@ def explain(network: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> 
             f"network {type(network).__name__} was not converted by mixprec: convert it first with "
             "mixprec.auto_mixed_precision(network, level) or mixprec.custom_mixed_precision(...)"
         )
+    plan = conversion.plan if conversion.refresh is None else conversion.refresh()
     if not example_inputs and not example_kwargs:
-        return conversion.plan
-    return _for_inputs(conversion.plan, network, example_inputs, example_kwargs)
+        return plan
+    return _for_inputs(plan, network, example_inputs, example_kwargs)
 
 
 def _needs_cast(value: Any, target: torch.dtype) -> bool:

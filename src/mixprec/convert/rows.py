@@ -47,13 +47,19 @@ def reason_in_words(error: BaseException) -> str:
     return f"its forward does something a graph cannot record ({type(error).__name__}: {text})"
 
 
-def _placeholder_infos(graph: fx.Graph, node: fx.Node, infos: dict[fx.Node, Info]) -> dict[str, Info]:
+def _placeholder_infos(
+    graph: fx.Graph, node: fx.Node, infos: dict[fx.Node, Info]
+) -> dict[str, Info]:
     def info(value: Any) -> Info:
         if isinstance(value, fx.Node):
             return infos.get(value, UNKNOWN)
         return OTHER if not isinstance(value, torch.Tensor) else Info("tensor", value.dtype, True)
 
-    names = [str(n.target) for n in graph.nodes if n.op == "placeholder" and not str(n.target).startswith("*")]
+    names = [
+        str(n.target)
+        for n in graph.nodes
+        if n.op == "placeholder" and not str(n.target).startswith("*")
+    ]
     found = {name: info(arg) for name, arg in zip(names, node.args, strict=False)}
     found.update({k: info(v) for k, v in node.kwargs.items()})
     return found
@@ -72,8 +78,8 @@ def child_output_info(
 
     child = parent.get_submodule(str(node.target))
     forward = _forward_of(child)
-    if isinstance(forward, GraphForward):
-        graph = forward.graph
+    if isinstance(forward, GraphForward) and forward.current is not None:
+        graph = forward.current.graph
         inner = infer(
             graph,
             child,
@@ -83,7 +89,11 @@ def child_output_info(
         output = next(n for n in reversed(graph.nodes) if n.op == "output")
         result = output.args[0]
         return inner.get(result, UNKNOWN) if isinstance(result, fx.Node) else UNKNOWN
-    if isinstance(forward, RuntimeForward) and forward.default is Precision.LOW and not forward.back:
+    if (
+        isinstance(forward, RuntimeForward)
+        and forward.default is Precision.LOW
+        and not forward.back
+    ):
         return Info("unknown", low)
     if node.meta.get("mixprec_op") in _FIRST_INPUT and node.args:
         first = node.args[0]
@@ -97,6 +107,7 @@ class RowSource:
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
         self.removed = 0
+        self.runtime: list[tuple[str, str]] = []
 
     def module_rows(
         self, module: nn.Module, path: str, inputs: dict[str, Info] | None
@@ -109,20 +120,26 @@ class RowSource:
         from mixprec.convert.runtime import PlainForward, RuntimeForward
 
         forward = _forward_of(module)
-        if isinstance(forward, GraphForward):
-            entry = forward.entries[forward.default_key]
-            assert entry is not None
-            self.removed += entry.removed
-            return self._graph_rows(entry.graph, module, path, inputs)
-        if isinstance(forward, RuntimeForward) and forward.default is Precision.LOW and not forward.back:
+        if isinstance(forward, GraphForward) and forward.current is not None:
+            self.removed += forward.current.removed
+            return self._graph_rows(forward.current.graph, module, path, inputs)
+        if (
+            isinstance(forward, RuntimeForward)
+            and forward.default is Precision.LOW
+            and not forward.back
+        ):
             return [unit_weight_rows(module, path, self.recipe, inputs is None)]
         rows: list[PlanRow] = []
-        if isinstance(forward, (RuntimeForward, PlainForward)):
+        if isinstance(forward, (RuntimeForward, PlainForward, GraphForward)):
             if isinstance(forward, RuntimeForward) and module_op_of(module) is not None:
                 return rows  # a one-op module: its caller's row says it all
+            self.runtime.append((path, forward.reason))
             rows.append(
                 PlanRow.make(
-                    path, type(module).__name__, "at run time", kind=RowKind.RUNTIME,
+                    path,
+                    type(module).__name__,
+                    "at run time",
+                    kind=RowKind.RUNTIME,
                     note=forward.reason,
                 )
             )
@@ -144,7 +161,9 @@ class RowSource:
             if node.op not in ("call_function", "call_method", "call_module") or is_helper(node):
                 continue
             info = infos.get(node, UNKNOWN)
-            plain_index = node.target is operator.getitem and node not in before and node not in after
+            plain_index = (
+                node.target is operator.getitem and node not in before and node not in after
+            )
             if node.op != "call_module" and (info.kind == "other" or plain_index):
                 continue  # shapes, sizes and plain indexing are not ops worth a row
             precision = node.meta.get(PRECISION_TAG, Precision.FOLLOW)
@@ -161,7 +180,9 @@ class RowSource:
                 where = _join(path, target)
                 if casts[0] or casts[1] or module_op_of(child) is not None:
                     kind = RowKind.MODULE if module_op_of(child) else RowKind.UNIT
-                    rows.append(PlanRow.make(where, type(child).__name__, computes, *casts, kind=kind))
+                    rows.append(
+                        PlanRow.make(where, type(child).__name__, computes, *casts, kind=kind)
+                    )
                 rows += self._rows(child, where, _placeholder_infos_of(child, node, infos))
                 continue
             rows.append(PlanRow.make(path, ops.op_name(node.target), computes, *casts))
@@ -182,9 +203,9 @@ def _placeholder_infos_of(
     from mixprec.convert.graph import GraphForward
 
     forward = _forward_of(child)
-    if not isinstance(forward, GraphForward):
+    if not isinstance(forward, GraphForward) or forward.current is None:
         return {}  # called from a graph: its caller cast its inputs
-    return _placeholder_infos(forward.graph, node, infos)
+    return _placeholder_infos(forward.current.graph, node, infos)
 
 
 def _label(node: Any, path: str) -> str:
@@ -215,7 +236,7 @@ def _attribute_casts(
         if not (is_helper(node) and node.target is ops.cast):
             continue
         source = node.args[0]
-        info = infos.get(source, UNKNOWN)  # type: ignore[arg-type]
+        info = infos.get(source, UNKNOWN)
         target = _target_dtype(node, infos)
         if not info.castable or target is None or info.dtype == target:
             continue  # a no-op at run time under the plan's assumption

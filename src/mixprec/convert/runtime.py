@@ -63,6 +63,7 @@ def decision_table(
     force: Precision | None = None,
 ) -> tuple[dict[Any, Precision], Precision]:
     """``({torch function: precision}, precision of any other call)`` inside ``scopes``."""
+
     def decide(key: Any) -> Precision:
         precision = force or recipe.decide(key, scopes)
         if precision is Precision.FOLLOW and recipe.level is Level.O1:
@@ -157,9 +158,7 @@ def standing_aside() -> Iterator[None]:
 
 def any_nested(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Is any direct argument a nested tensor?"""
-    return any(
-        isinstance(v, torch.Tensor) and v.is_nested for v in (*args, *kwargs.values())
-    )
+    return any(isinstance(v, torch.Tensor) and v.is_nested for v in (*args, *kwargs.values()))
 
 
 class ForwardBase:
