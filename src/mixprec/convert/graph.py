@@ -121,7 +121,13 @@ class GraphForward(ForwardBase):
     """
 
     def __init__(
-        self, module: nn.Module, spec: Spec, entry: Entry | None, key: Any, reason: str = ""
+        self,
+        module: nn.Module,
+        spec: Spec,
+        entry: Entry | None,
+        key: Any,
+        reason: str = "",
+        tables: dict[Any, Any] | None = None,
     ) -> None:
         self.module = module
         self.spec = spec
@@ -131,7 +137,11 @@ class GraphForward(ForwardBase):
         self.entries: dict[Any, Entry | None] = {} if entry is None else {key: entry}
         self.reasons: dict[Any, str] = {} if entry is not None else {key: reason}
         self._lock = threading.Lock()
-        self._fallback: RuntimeForward | None = None
+        # made now, not on the first call that needs it (which may run under torch.compile)
+        force = Precision.LOW if spec.unit else None
+        self._fallback = RuntimeForward(
+            module, spec.recipe, spec.scopes, spec.output_dtype, force, tables=tables
+        )
 
     @property
     def current(self) -> Entry | None:
@@ -167,12 +177,14 @@ class GraphForward(ForwardBase):
             for k, e in self.entries.items()
         }
         del state["_lock"]
-        state["_fallback"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        for entry in self.entries.values():
+            if entry is not None:
+                entry.compiled()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GraphForward:
         import copy
@@ -196,12 +208,6 @@ class GraphForward(ForwardBase):
             return entry.compiled()(self.module, *args, **kwargs)
 
     def _runtime(self) -> RuntimeForward:
-        if self._fallback is None:
-            spec = self.spec
-            force = Precision.LOW if spec.unit else None
-            self._fallback = RuntimeForward(
-                self.module, spec.recipe, spec.scopes, spec.output_dtype, force
-            )
         return self._fallback
 
     def _specialise(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Entry | None:
@@ -236,7 +242,9 @@ def build_entry(
     )
     removed = simplify(graph, module, child_info(module, spec))
     code = graph.python_code("self")
-    return Entry(graph, code.src, dict(code.globals), removed)
+    entry = Entry(graph, code.src, dict(code.globals), removed)
+    entry.compiled()  # now, not on a first call that may run under torch.compile
+    return entry
 
 
 def node_scopes(node: fx.Node, module: nn.Module, spec: Spec) -> Scopes:
@@ -279,6 +287,7 @@ def infos_for(graph: fx.Graph, module: nn.Module, spec: Spec) -> dict[fx.Node, I
 class _Converter:
     recipe: Recipe
     seen: set[int] = field(default_factory=set)
+    tables: dict[Any, Any] = field(default_factory=dict)
 
     def convert(
         self, module: nn.Module, path: str, scopes: Scopes, output: Any, unit: bool
@@ -309,15 +318,19 @@ class _Converter:
             if not unit and _one_low_op(entry.graph):  # ReLU: a unit of one listed op
                 spec = Spec(recipe, path, scopes, output, True)
                 entry = build_entry(module, spec, args, kwargs)
-            module.__dict__["forward"] = GraphForward(module, spec, entry, key)
+            module.__dict__["forward"] = GraphForward(module, spec, entry, key, tables=self.tables)
         except Exception as error:
             reason = reason_in_words(error)
             if unit or module_op(module) is not None:  # a whole-low unit, or one op
                 force = Precision.LOW if unit else None
-                forward = RuntimeForward(module, recipe, scopes, output, force, reason)
+                forward = RuntimeForward(
+                    module, recipe, scopes, output, force, reason, tables=self.tables
+                )
                 module.__dict__["forward"] = forward
             else:  # tried again with the arguments of each new kind of call
-                module.__dict__["forward"] = GraphForward(module, spec, None, key, reason)
+                module.__dict__["forward"] = GraphForward(
+                    module, spec, None, key, reason, tables=self.tables
+                )
 
 
 def _one_low_op(graph: fx.Graph) -> bool:

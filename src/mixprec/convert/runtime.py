@@ -57,12 +57,27 @@ def _torch_functions() -> tuple[tuple[Callable[..., Any], str | Callable[..., An
     return tuple(found)
 
 
+Table = tuple[dict[Any, Precision], Precision]
+
+
+def _table_key(recipe: Recipe, scopes: Sequence[tuple[str, nn.Module]], force: Any) -> Any:
+    """What a table depends on: the innermost pin, O1's white module in scope, ``force``."""
+    pin = next((p for n, m in reversed(scopes) if (p := recipe.pinned(m, n)) is not None), None)
+    white = recipe.level is Level.O1 and any(isinstance(m, recipe.white_modules) for _, m in scopes)
+    return (pin, white, force)
+
+
 def decision_table(
     recipe: Recipe,
     scopes: Sequence[tuple[str, nn.Module]],
     force: Precision | None = None,
-) -> tuple[dict[Any, Precision], Precision]:
-    """``({torch function: precision}, precision of any other call)`` inside ``scopes``."""
+    cache: dict[Any, Table] | None = None,
+) -> Table:
+    """``({torch function: precision}, precision of any other call)`` inside ``scopes``
+    (``cache`` shares tables between parts of one conversion)."""
+    key = _table_key(recipe, scopes, force)
+    if cache is not None and key in cache:
+        return cache[key]
 
     def decide(key: Any) -> Precision:
         precision = force or recipe.decide(key, scopes)
@@ -78,6 +93,8 @@ def decision_table(
             table[func] = precision
     for func in recipe.leaf_functions:
         table[func] = decide(op_key(func))
+    if cache is not None:
+        cache[key] = (table, default)
     return table, default
 
 
@@ -189,10 +206,11 @@ class RuntimeForward(ForwardBase):
         output_dtype: torch.dtype | None,
         force: Precision | None = None,
         reason: str = "",
+        tables: dict[Any, Table] | None = None,
     ) -> None:
         self.module = module
         self.recipe, self.scopes, self.force = recipe, tuple(scopes), force
-        self.table, self.default = decision_table(recipe, scopes, force)
+        self.table, self.default = decision_table(recipe, scopes, force, tables)
         self.dtype = recipe.dtype
         self.back = recipe.level is Level.O1 and force is None
         self.output_dtype = output_dtype
