@@ -13,6 +13,7 @@ else, or unknown) and its floating dtype in two senses:
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,19 +154,43 @@ def _cast_info(value: Info, dtype: torch.dtype) -> Info:
     return Info(value.kind, dtype, exact=True)
 
 
-def infer(graph: fx.Graph, root: nn.Module) -> dict[fx.Node, Info]:
-    """Infer an :class:`Info` for every node of ``graph`` (whose attributes live on ``root``)."""
+#: What a child module returns, given its call node and the infos found so far.
+ChildInfo = Callable[[fx.Node, dict[fx.Node, Info]], Info]
+
+
+def infer(
+    graph: fx.Graph,
+    root: nn.Module,
+    *,
+    inputs: dict[str, Info] | None = None,
+    child: ChildInfo | None = None,
+) -> dict[fx.Node, Info]:
+    """Infer an :class:`Info` for every node of ``graph`` (whose attributes live on ``root``).
+
+    Args:
+        inputs: infos of placeholders by name (default: an assumed float32 tensor).
+        child: what a ``call_module`` node returns (default: unknown). Never exact: a
+            child's result is an assumption about another graph.
+    """
     infos: dict[fx.Node, Info] = {}
     for node in graph.nodes:
-        infos[node] = _infer_node(node, infos, root)
+        if node.op == "placeholder" and inputs is not None and str(node.target) in inputs:
+            infos[node] = inputs[str(node.target)]
+        elif node.op == "call_module" and child is not None and "mixprec_out" not in node.meta:
+            found = child(node, infos)
+            infos[node] = Info(found.kind, found.dtype, exact=False)
+        else:
+            infos[node] = _infer_node(node, infos, root)
     return infos
 
 
 def _infer_node(node: fx.Node, infos: dict[fx.Node, Info], root: nn.Module) -> Info:
     if node.op == "placeholder":
+        if str(node.target).startswith("*"):
+            return UNKNOWN
         has_default = len(node.args) > 0
         if has_default and not isinstance(node.args[0], torch.Tensor):
-            return UNKNOWN
+            return OTHER if not node.users else UNKNOWN
         return Info("tensor", torch.float32, exact=False)
     if node.op == "get_attr":
         path = str(node.target)

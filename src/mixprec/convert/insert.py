@@ -30,6 +30,7 @@ from mixprec.policy.levels import Level, Precision, Recipe
 __all__ = ["CAST_TAG", "PRECISION_TAG", "insert_casts", "is_helper", "is_mutation", "mutated"]
 
 CAST_TAG = "mixprec_cast"
+INPLACE_TAG = "mixprec_inplace"
 PRECISION_TAG = "mixprec_precision"
 
 
@@ -45,6 +46,8 @@ def is_helper(node: Any) -> bool:
 def is_mutation(node: fx.Node) -> bool:
     """Does this call write into its first argument (``x.add_(y)``, ``x += y``,
     ``F.relu(x, inplace=True)``)?"""
+    if node.op == "call_module":
+        return bool(node.meta.get(INPLACE_TAG))  # a child built to write its input
     if node.op not in ("call_function", "call_method"):
         return False
     name = ops.op_name(node.target)
@@ -69,6 +72,8 @@ def _functionalize(graph: fx.Graph) -> None:
         ):
             continue
         target = node.args[0]
+        if target.op == "placeholder":
+            continue  # the caller's tensor: the write is what the caller asked for
         if all(order[user] <= order[node] for user in target.users):
             node.kwargs = {**node.kwargs, "inplace": False}
 
@@ -106,6 +111,8 @@ def insert_casts(
     decide: Callable[[fx.Node], Precision],
     infos: dict[fx.Node, Info],
     output_dtype: torch.dtype | None,
+    *,
+    cast_back: bool | None = None,
 ) -> None:
     """Insert the casts every op's precision needs, in place.
 
@@ -115,7 +122,9 @@ def insert_casts(
         decide: the precision of one call node (the caller knows module scopes and leaves).
         infos: static dtype facts about the nodes (see :mod:`mixprec.convert.infer`).
         output_dtype: cast the graph's floating outputs to this (None: leave them).
+        cast_back: cast a low op's result back to float32 (default: under O1).
     """
+    back = recipe.level is Level.O1 if cast_back is None else cast_back
     _functionalize(graph)
     for node in list(graph.nodes):
         if node.op not in ("call_function", "call_method", "call_module") or is_helper(node):
@@ -126,7 +135,7 @@ def insert_casts(
         node.meta[PRECISION_TAG] = precision
         if precision is Precision.LOW:
             _cast_before(graph, node, recipe.dtype, infos)
-            if recipe.level is Level.O1:
+            if back:
                 _cast_after(graph, node, torch.float32)
         elif precision is Precision.FP32:
             _cast_before(graph, node, torch.float32, infos)

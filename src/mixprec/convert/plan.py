@@ -9,10 +9,13 @@ fed: one float32 tensor per floating input.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
+import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
@@ -20,7 +23,40 @@ from mixprec.convert.structure import conversion_of
 from mixprec.policy.dtypes import dtype_name, is_castable
 from mixprec.policy.levels import Recipe
 
-__all__ = ["CastPlan", "Conversion", "PlanRow", "explain"]
+__all__ = ["Cast", "CastPlan", "Conversion", "PlanRow", "RowKind", "explain"]
+
+
+class RowKind(str, enum.Enum):
+    """What a plan row describes."""
+
+    OP = "op"  # one op of a graph
+    MODULE = "module"  # a call of a one-op module (BatchNorm) decided by its op
+    UNIT = "unit"  # a module computing whole in low precision
+    RUNTIME = "runtime"  # a module whose own ops follow the lists at run time
+    INPUTS = "inputs"  # module level: the floating inputs
+    OUTPUTS = "outputs"  # the floating outputs
+    ISLAND = "island"  # module level: a module kept in another dtype
+    WEIGHTS = "weights"  # module level: the weights a module casts at use
+
+
+class Cast(NamedTuple):
+    """One cast: ``value`` (a name in the model) to ``dtype``."""
+
+    value: str
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return f"{self.value} -> {dtype_name(self.dtype)}"
+
+
+_DTYPES = {dtype_name(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+
+
+def _as_cast(cast: Cast | tuple[str, torch.dtype] | str) -> Cast:
+    if isinstance(cast, str):  # "name -> dtype" (module-level rows)
+        value, _, dtype = cast.rpartition(" -> ")
+        return Cast(value, _DTYPES[dtype])
+    return Cast(*cast)
 
 
 @dataclass(frozen=True)
@@ -32,17 +68,53 @@ class PlanRow:
         op: the op (``"linear"``, ``"softmax"``) or module class (``"LSTM"``).
         dtype: what it computes in: a dtype name, ``"follows inputs"``, ``"widest input"``
             or ``"at run time"``.
-        casts_before: the values cast before it, as ``"name -> dtype"``.
+        casts_before: the values cast before it, as :class:`Cast` ``(value, dtype)`` pairs.
         casts_after: the values cast after it.
         note: anything else worth knowing (why a part runs at run time, ...).
+        kind: what the row describes (:class:`RowKind`).
     """
 
     path: str
     op: str
     dtype: str
-    casts_before: tuple[str, ...] = ()
-    casts_after: tuple[str, ...] = ()
+    # (value, dtype) pairs; a ``"name -> dtype"`` string (module-level rows) is read into
+    # a Cast when the row is made
+    casts_before: tuple[Any, ...] = ()
+    casts_after: tuple[Any, ...] = ()
     note: str = ""
+    kind: RowKind | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "casts_before", tuple(map(_as_cast, self.casts_before)))
+        object.__setattr__(self, "casts_after", tuple(map(_as_cast, self.casts_after)))
+        if self.kind is None:
+            kinds = {k.value: k for k in RowKind}
+            kind = kinds.get(self.note) or kinds.get(self.op) or RowKind.OP
+            object.__setattr__(self, "kind", kind)
+
+    @classmethod
+    def make(
+        cls,
+        path: str,
+        op: str,
+        dtype: torch.dtype | str | None,
+        casts_before: Iterable[Cast | tuple[str, torch.dtype]] = (),
+        casts_after: Iterable[Cast | tuple[str, torch.dtype]] = (),
+        *,
+        kind: RowKind = RowKind.OP,
+        note: str = "",
+    ) -> PlanRow:
+        """A row from typed parts (a dtype, (value, dtype) casts)."""
+        shown = dtype if isinstance(dtype, str) else dtype_name(dtype)
+        return cls(
+            path,
+            op,
+            shown,
+            tuple(map(_as_cast, casts_before)),
+            tuple(map(_as_cast, casts_after)),
+            note,
+            kind,
+        )
 
     @property
     def num_casts(self) -> int:
@@ -59,8 +131,10 @@ class CastPlan:
         rows: one per op or module, in execution order.
         casts_removed: redundant casts removed after insertion (fp32 round trips between
             low-precision ops, duplicate casts of one value).
-        runtime_parts: modules whose own code could not be traced; the lists are applied to
-            their ops at run time, and their casts are not counted here.
+        runtime_parts: modules whose own code is not a graph: the lists are applied to
+            their own ops at run time (or, for built-in fast paths, the code runs as
+            written), and those ops' casts are not counted here.
+        runtime_reasons: for each of ``runtime_parts``, why, in plain words.
         assumption: what the counts assume about the inputs.
     """
 
@@ -69,6 +143,7 @@ class CastPlan:
     rows: tuple[PlanRow, ...]
     casts_removed: int = 0
     runtime_parts: tuple[str, ...] = ()
+    runtime_reasons: tuple[str, ...] = ()
     assumption: str = "each floating input is one float32 tensor"
     _totals: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
@@ -86,6 +161,10 @@ class CastPlan:
         """Ops and modules computing in the low dtype."""
         return sum(1 for row in self.rows if row.dtype == self.dtype)
 
+    def runtime(self) -> dict[str, str]:
+        """``{path: reason}`` for each part decided at run time."""
+        return dict(zip(self.runtime_parts, self.runtime_reasons, strict=False))
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict: level, dtype, totals and rows."""
         return {
@@ -100,11 +179,16 @@ class CastPlan:
                 "runtime_parts": len(self.runtime_parts),
             },
             "runtime_parts": list(self.runtime_parts),
+            "runtime_reasons": list(self.runtime_reasons),
             "rows": [
                 {
-                    **asdict(row),
-                    "casts_before": list(row.casts_before),
-                    "casts_after": list(row.casts_after),
+                    "path": row.path,
+                    "op": row.op,
+                    "dtype": row.dtype,
+                    "casts_before": [str(c) for c in row.casts_before],
+                    "casts_after": [str(c) for c in row.casts_after],
+                    "note": row.note,
+                    "kind": row.kind.value if row.kind else None,
                 }
                 for row in self.rows
             ],
@@ -118,8 +202,8 @@ class CastPlan:
                 row.path or "(model)",
                 row.op,
                 row.dtype,
-                ", ".join(row.casts_before) or "-",
-                ", ".join(row.casts_after) or "-",
+                ", ".join(map(str, row.casts_before)) or "-",
+                ", ".join(map(str, row.casts_after)) or "-",
             )
             for row in self.rows
         ]
@@ -150,10 +234,12 @@ class CastPlan:
 
 @dataclass(frozen=True)
 class Conversion:
-    """What a converted module carries: its recipe and its plan."""
+    """What a converted module carries: its recipe and its plan (``refresh``, when set,
+    reads the plan again: graph levels show the specialisations last used)."""
 
     recipe: Recipe
     plan: CastPlan
+    refresh: Callable[[], CastPlan] | None = field(default=None, compare=False)
 
 
 def explain(network: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> CastPlan:
@@ -184,13 +270,14 @@ def explain(network: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> 
             f"network {type(network).__name__} was not converted by mixprec: convert it first with "
             "mixprec.auto_mixed_precision(network, level) or mixprec.custom_mixed_precision(...)"
         )
+    plan = conversion.plan if conversion.refresh is None else conversion.refresh()
     if not example_inputs and not example_kwargs:
-        return conversion.plan
-    return _for_inputs(conversion.plan, network, example_inputs, example_kwargs)
+        return plan
+    return _for_inputs(plan, network, example_inputs, example_kwargs)
 
 
-def _needs_cast(value: Any, target: str) -> bool:
-    return is_castable(value) and dtype_name(value.dtype) != target
+def _needs_cast(value: Any, target: torch.dtype) -> bool:
+    return is_castable(value) and value.dtype != target
 
 
 def _for_inputs(
@@ -205,15 +292,16 @@ def _for_inputs(
         ) from None
     rows = []
     for row in plan.rows:
-        if row.op == "inputs" and row.path == "":  # module level: every floating input
-            leaves = [v for v in pytree.tree_leaves((args, kwargs)) if _needs_cast(v, plan.dtype)]
-            casts = tuple(f"input {i} -> {plan.dtype}" for i in range(len(leaves)))
+        if row.kind is RowKind.INPUTS and row.path == "":  # module level: every input
+            low = _DTYPES[plan.dtype]
+            leaves = [v for v in pytree.tree_leaves((args, kwargs)) if _needs_cast(v, low)]
+            casts = tuple(Cast(f"input {i}", low) for i in range(len(leaves)))
             rows.append(dataclasses.replace(row, casts_before=casts))
             continue
         kept = []
         for cast in row.casts_before:
-            name, _, target = cast.partition(" -> ")
-            if name in bound.arguments and not _needs_cast(bound.arguments[name], target):
+            name = cast.value
+            if name in bound.arguments and not _needs_cast(bound.arguments[name], cast.dtype):
                 continue
             kept.append(cast)
         rows.append(dataclasses.replace(row, casts_before=tuple(kept)))

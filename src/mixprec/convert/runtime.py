@@ -1,37 +1,131 @@
-"""The lists, applied at run time, to the ops of code that cannot be traced.
+"""The lists, applied at run time, to the ops of a forward that cannot be a graph.
 
-A module whose own ``forward`` cannot be traced keeps its class and code; its children
-are converted like any other part of the model, and the ops of its own ``forward`` run
-under :class:`RuntimeListMode`, a ``TorchFunctionMode`` that makes, call by call, the
-decision the graph rewrite would have made ahead of time (the same
-:meth:`mixprec.policy.levels.Recipe.decide`). The mode is entered with a ``with`` block, so it is
-exited even when the forward raises, and it stands aside while a converted child runs
-(the child has its own casts already).
+A module whose own ``forward`` cannot be captured keeps its code; its children are
+converted like any other part of the model, and the ops of its own ``forward`` run under
+:class:`RuntimeListMode`, a ``TorchFunctionMode`` that makes, call by call, the decision
+the graph rewrite would have made ahead of time (the same
+:meth:`mixprec.policy.levels.Recipe.decide`).
+
+The decisions are made once, when the model is converted: a table from torch function
+to precision, so a call costs one dict lookup and no string handling (``torch.compile``
+traces the mode without a graph break per op). The mode is entered with a ``with``
+block, so it is exited even when the forward raises, and it stands aside while a
+converted child runs (the child has its own casts): see :func:`standing_aside`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import functools
+import inspect
+import types
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, get_overridable_functions
 
+from mixprec.policy.dtypes import is_castable
 from mixprec.policy.levels import Level, Precision, Recipe
-from mixprec.policy.ops import cast_tree, op_key, widest_dtype
+from mixprec.policy.ops import cast_tree, op_key, op_name, widest_dtype
 
-__all__ = ["RuntimeForward", "RuntimeListMode", "stand_aside"]
+__all__ = [
+    "ForwardBase",
+    "PlainForward",
+    "RuntimeForward",
+    "RuntimeListMode",
+    "any_nested",
+    "decision_table",
+    "standing_aside",
+]
+
+#: A key no list holds: the precision of an op the lists do not name.
+_UNLISTED = "\x00unlisted"
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_functions() -> tuple[tuple[Callable[..., Any], str | Callable[..., Any], bool], ...]:
+    """Every overridable torch function with its list key and whether it writes in place
+    (computed once per process; torch's function set does not change)."""
+    found = []
+    for functions in get_overridable_functions().values():
+        for func in functions:
+            name = op_name(func)
+            found.append((func, op_key(func), name.endswith("_") and not name.endswith("__")))
+    return tuple(found)
+
+
+Table = tuple[dict[Any, Precision], Precision]
+
+
+def _table_key(recipe: Recipe, scopes: Sequence[tuple[str, nn.Module]], force: Any) -> Any:
+    """What a table depends on: the innermost pin, O1's white module in scope, ``force``."""
+    pin = next((p for n, m in reversed(scopes) if (p := recipe.pinned(m, n)) is not None), None)
+    white = recipe.level is Level.O1 and any(isinstance(m, recipe.white_modules) for _, m in scopes)
+    return (pin, white, force)
+
+
+def decision_table(
+    recipe: Recipe,
+    scopes: Sequence[tuple[str, nn.Module]],
+    force: Precision | None = None,
+    cache: dict[Any, Table] | None = None,
+) -> Table:
+    """``({torch function: precision}, precision of any other call)`` inside ``scopes``
+    (``cache`` shares tables between parts of one conversion)."""
+    key = _table_key(recipe, scopes, force)
+    if cache is not None and key in cache:
+        return cache[key]
+
+    def decide(key: Any) -> Precision:
+        precision = force or recipe.decide(key, scopes)
+        if precision is Precision.FOLLOW and recipe.level is Level.O1:
+            return Precision.FP32  # O1: what the list leaves out computes in float32
+        return precision
+
+    default = decide(_UNLISTED)
+    table: dict[Any, Precision] = {}
+    for func, key, in_place in _torch_functions():
+        precision = Precision.FOLLOW if in_place else decide(key)
+        if precision is not default:
+            table[func] = precision
+    for func in recipe.leaf_functions:
+        table[func] = decide(op_key(func))
+    if cache is not None:
+        cache[key] = (table, default)
+    return table, default
 
 
 class RuntimeListMode(TorchFunctionMode):
-    """Applies a recipe's lists to each torch function call made while it is active."""
+    """Applies a decision table to each torch function call made while it is active."""
 
-    def __init__(self, recipe: Recipe, scopes: Sequence[tuple[str, nn.Module]]) -> None:
+    def __init__(
+        self, table: dict[Any, Precision], default: Precision, dtype: torch.dtype, back: bool
+    ) -> None:
         super().__init__()
-        self.recipe = recipe
-        self.scopes = tuple(scopes)
+        self.table = table
+        self.default = default
+        self.dtype = dtype
+        self.back = back  # O1: a low op's result goes back to float32
         self.suspended = 0
+        # one cast per value and dtype in this call: id -> (source, version, dtype, cast)
+        self.memo: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def _cast(self, tree: Any, dtype: torch.dtype) -> Any:
+        def one(leaf: Any) -> Any:
+            if not isinstance(leaf, torch.Tensor) or leaf.dtype == dtype or not is_castable(leaf):
+                return leaf
+            key = (id(leaf), dtype)
+            hit = self.memo.get(key)
+            if hit is not None and hit[0] is leaf and hit[1] == leaf._version:
+                return hit[2]
+            low = leaf.to(dtype)
+            self.memo[key] = (leaf, leaf._version, low)
+            return low
+
+        return pytree.tree_map(one, tree)
 
     def __torch_function__(
         self,
@@ -41,52 +135,68 @@ class RuntimeListMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if self.suspended:
-            return func(*args, **kwargs)
-        key = op_key(func)
-        if isinstance(key, str) and key.endswith("_"):
-            return func(*args, **kwargs)  # in-place: never cast the tensor being written
-        precision = self.recipe.decide(key, self.scopes)
-        if precision is Precision.FOLLOW:
+        precision = self.table.get(func, self.default)
+        if self.suspended or precision is Precision.FOLLOW:
             return func(*args, **kwargs)
         if precision is Precision.LOW:
-            dtype: torch.dtype | None = self.recipe.dtype
+            dtype: torch.dtype | None = self.dtype
         elif precision is Precision.FP32:
             dtype = torch.float32
         else:
             dtype = widest_dtype(args, kwargs)
         if dtype is not None:
-            args, kwargs = cast_tree((args, kwargs), dtype)
+            args, kwargs = self._cast((args, kwargs), dtype)
         out = func(*args, **kwargs)
-        if precision is Precision.LOW and self.recipe.level is Level.O1:
+        if precision is Precision.LOW and self.back:
             out = cast_tree(out, torch.float32)
         return out
 
 
-def _active_modes() -> list[RuntimeListMode]:
-    stack = torch.overrides._get_current_function_mode_stack()
-    return [mode for mode in stack if isinstance(mode, RuntimeListMode)]
-
-
-def _suspend(module: nn.Module, args: Any) -> None:
-    for mode in _active_modes():
+@contextlib.contextmanager
+def standing_aside() -> Iterator[None]:
+    """Make every active :class:`RuntimeListMode` of this thread ignore ops inside the
+    block (a converted child runs there, with its own casts); undone even on error."""
+    if not torch._C._len_torch_function_stack():
+        yield
+        return
+    modes = [
+        m
+        for m in torch.overrides._get_current_function_mode_stack()
+        if isinstance(m, RuntimeListMode)
+    ]
+    for mode in modes:
         mode.suspended += 1
+    try:
+        yield
+    finally:
+        for mode in modes:
+            mode.suspended -= 1
 
 
-def _resume(module: nn.Module, args: Any, output: Any) -> None:
-    for mode in _active_modes():
-        mode.suspended -= 1
+def any_nested(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Is any direct argument a nested tensor?"""
+    return any(isinstance(v, torch.Tensor) and v.is_nested for v in (*args, *kwargs.values()))
 
 
-def stand_aside(child: nn.Module) -> None:
-    """Make every active :class:`RuntimeListMode` ignore ops while ``child`` runs (the
-    child is converted already). The resume hook runs even when the child raises."""
-    child.register_forward_pre_hook(_suspend)
-    child.register_forward_hook(_resume, always_call=True)
+class ForwardBase:
+    """What a converted module's ``forward`` (set on the instance) shows to tools:
+    the signature and code object of the module's own forward, so ``inspect`` and
+    ``torch.export`` see the original method."""
+
+    module: nn.Module
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(functools.partial(type(self.module).forward, self.module))
+
+    @property
+    def __code__(self) -> types.CodeType:
+        code = getattr(type(self.module).forward, "__code__", None)
+        return code if isinstance(code, types.CodeType) else type(self).__call__.__code__
 
 
-class RuntimeForward:
-    """The ``forward`` of a module handled at run time (set on the instance)."""
+class RuntimeForward(ForwardBase):
+    """The ``forward`` of a module whose own code runs at run time under the lists."""
 
     def __init__(
         self,
@@ -94,17 +204,46 @@ class RuntimeForward:
         recipe: Recipe,
         scopes: Sequence[tuple[str, nn.Module]],
         output_dtype: torch.dtype | None,
+        force: Precision | None = None,
+        reason: str = "",
+        tables: dict[Any, Table] | None = None,
     ) -> None:
         self.module = module
-        self.recipe = recipe
-        self.scopes = tuple(scopes)
+        self.recipe, self.scopes, self.force = recipe, tuple(scopes), force
+        self.table, self.default = decision_table(recipe, scopes, force, tables)
+        self.dtype = recipe.dtype
+        self.back = recipe.level is Level.O1 and force is None
         self.output_dtype = output_dtype
-        self.inner: Callable[..., Any] | None = module.__dict__.get("forward")
+        self.reason = reason
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["table"]  # torch functions do not pickle; the table is rebuilt
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.table, self.default = decision_table(self.recipe, self.scopes, self.force)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with RuntimeListMode(self.recipe, self.scopes):
-            if self.inner is not None:
-                out = self.inner(*args, **kwargs)
-            else:
-                out = type(self.module).forward(self.module, *args, **kwargs)
+        if any_nested(args, kwargs):  # only a built-in fast path makes these: run as written
+            with standing_aside():
+                return type(self.module).forward(self.module, *args, **kwargs)
+        with standing_aside(), RuntimeListMode(self.table, self.default, self.dtype, self.back):
+            out = type(self.module).forward(self.module, *args, **kwargs)
+        return out if self.output_dtype is None else cast_tree(out, self.output_dtype)
+
+
+class PlainForward(ForwardBase):
+    """The ``forward`` of a module whose own code runs as written (a built-in fast path
+    whose choice depends on run-time values); its children are converted."""
+
+    def __init__(self, module: nn.Module, output_dtype: torch.dtype | None, reason: str) -> None:
+        self.module = module
+        self.output_dtype = output_dtype
+        self.reason = reason
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with standing_aside():
+            out = type(self.module).forward(self.module, *args, **kwargs)
         return out if self.output_dtype is None else cast_tree(out, self.output_dtype)

@@ -8,7 +8,7 @@ Five rewrites, repeated until nothing changes, each valid whatever the model's i
 2. **no-op**: ``cast(v, D)`` is ``v`` when ``v`` is known to be ``D`` (or not castable)
    whatever the inputs are (see :class:`mixprec.convert.infer.Info.exact`).
 3. **sinking through value-preserving ops**: ``reshape(cast(v, float32))`` is
-   ``cast(reshape(v), float32)`` for ops whose outputs are some of their input's values
+   ``cast(reshape(v), float32)`` (for any ``v``) for ops whose outputs are some of their input's values
    (view, reshape, permute, transpose, indexing, unbind, split, max pooling, ...): the
    results are the same bits in either order. Moving the cast below them lets rule 1 remove
    a round trip between two low ops that a reshape or a max-pool separates (attention
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from mixprec.convert.infer import Info, infer
+from mixprec.convert.infer import ChildInfo, Info, infer
 from mixprec.convert.insert import CAST_TAG, is_helper, mutated
 from mixprec.policy import ops
 
@@ -141,7 +141,9 @@ def _sink(graph: fx.Graph, infos: dict[fx.Node, Info]) -> bool:
             continue
         source = cast.args[0]
         info = infos.get(source)
-        if info is None or not info.exact or not info.castable or info.dtype == torch.float32:
+        # valid for any source (the moved ops preserve values in every dtype); worth it
+        # only for a value assumed low, whose float32 round trip it then removes
+        if info is None or not info.castable or info.dtype == torch.float32:
             continue
         if _written(cast, source):
             continue
@@ -179,13 +181,14 @@ def _dedupe_and_sweep(graph: fx.Graph) -> bool:
     return changed
 
 
-def simplify(graph: fx.Graph, root: nn.Module) -> int:
+def simplify(graph: fx.Graph, root: nn.Module, child: ChildInfo | None = None) -> int:
     """Remove redundant casts from ``graph`` in place; returns how many were removed
-    (casts moved by rule 3 are counted where they end up)."""
+    (casts moved by rule 3 are counted where they end up). ``child`` says what a child
+    module call returns (see :func:`~mixprec.convert.infer.infer`)."""
     before = count_casts(graph)
     while True:
-        changed = _fold(graph, infer(graph, root))
-        changed |= _sink(graph, infer(graph, root))
+        changed = _fold(graph, infer(graph, root, child=child))
+        changed |= _sink(graph, infer(graph, root, child=child))
         changed |= _dedupe_and_sweep(graph)
         if not changed:
             break
