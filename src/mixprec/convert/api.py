@@ -89,9 +89,10 @@ def auto_mixed_precision(
             finding (constants and norm eps that do not fit the dtype).
 
     Returns:
-        The converted model (the network itself for O0). O1 and autocast give a
-        ``GraphModule`` whose code shows the casts; O2 and O3 a module of the original's
-        class. :func:`mixprec.explain` gives its cast plan.
+        The converted model (the network itself for O0): a module of the original's
+        class sharing its Parameters, with its hooks, methods and modes; each module's
+        ``forward`` shows what it does (at O1/autocast, ``module.forward.code`` is the
+        module's own graph with its casts). :func:`mixprec.explain` gives the cast plan.
 
     Raises:
         TypeError: ``network`` is not a module; a pin is malformed.

@@ -135,15 +135,8 @@ def _promote(inputs: list[Info]) -> Info:
     kind = "tensor" if all(i.kind == "tensor" for i in tensors) else "unknown"
     if not floating:
         return Info(kind, tensors[0].dtype, exact=all(i.exact for i in tensors))
-    dtype = _widest([i.dtype for i in floating if i.dtype is not None])
+    dtype = ops.widest_of([i.dtype for i in floating if i.dtype is not None])
     return Info(kind, dtype, exact=all(i.exact for i in floating))
-
-
-def _widest(dtypes: list[torch.dtype]) -> torch.dtype | None:
-    widest: torch.dtype | None = None
-    for dtype in dtypes:
-        widest = dtype if widest is None else torch.promote_types(widest, dtype)
-    return widest
 
 
 def _cast_info(value: Info, dtype: torch.dtype) -> Info:
@@ -212,7 +205,9 @@ def _infer_node(node: fx.Node, infos: dict[fx.Node, Info], root: nn.Module) -> I
         value, dtype = infos.get(node.args[0], UNKNOWN), node.args[1]  # type: ignore[arg-type]
         if isinstance(dtype, fx.Node):  # promote: the widest floating input, found at run time
             candidates = [infos.get(n, UNKNOWN) for n in dtype.all_input_nodes]
-            widest = _widest([c.dtype for c in candidates if c.castable and c.dtype is not None])
+            widest = ops.widest_of(
+                [c.dtype for c in candidates if c.castable and c.dtype is not None]
+            )
             if widest is None:
                 return value
             cast = _cast_info(value, widest)

@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from mixprec.convert.cast_at_use import CastState, LowParameters, ModuleCall
-from mixprec.convert.plan import CastPlan, Conversion, PlanRow, dtype_name
+from mixprec.convert.plan import Cast, CastPlan, Conversion, PlanRow, RowKind, dtype_name
 from mixprec.convert.structure import CONVERSION_ATTR, structural_copy
 from mixprec.policy import lists
 from mixprec.policy.dtypes import is_castable
@@ -126,7 +126,7 @@ def convert_module_level(
     low = recipe.dtype
     state = CastState(low)
     rows: list[PlanRow] = [
-        PlanRow(prefix, "inputs", dtype_name(low), ("floating inputs -> " + dtype_name(low),))
+        PlanRow.make(prefix, "inputs", low, [Cast("floating inputs", low)], kind=RowKind.INPUTS)
     ]
     seen_modules: set[int] = set()
     seen_tensors: set[int] = set()
@@ -144,23 +144,24 @@ def convert_module_level(
             )
             module.register_forward_hook(functools.partial(_cast_output_hook, outer))
             rows.append(
-                PlanRow(
+                PlanRow.make(
                     path,
                     type(module).__name__,
-                    dtype_name(dtype),
-                    (f"input -> {dtype_name(dtype)}",),
-                    (f"output -> {dtype_name(outer)}",),
+                    dtype,
+                    [Cast("input", dtype)],
+                    [Cast("output", outer)],
+                    kind=RowKind.ISLAND,
                     note="island",
                 )
             )
-        cast_here: list[str] = []
+        cast_here: list[Cast] = []
         if precision is Precision.LOW and not isinstance(module, lists.FP32_STATE_MODULES):
             owned = [
                 (n, t) for n, t in module._parameters.items() if t is not None and is_castable(t)
             ]
             for name, tensor in owned:
                 if tensor.dtype != low and id(tensor) not in seen_tensors:
-                    cast_here.append(f"{_join(path, name)} -> {dtype_name(low)}")
+                    cast_here.append(Cast(_join(path, name), low))
                 seen_tensors.add(id(tensor))
             if owned:
                 names = frozenset(name for name, _ in owned)
@@ -172,8 +173,13 @@ def convert_module_level(
             module.__dict__["forward"] = ModuleCall(module, state)
         if cast_here:
             rows.append(
-                PlanRow(
-                    path, type(module).__name__, dtype_name(dtype), tuple(cast_here), note="weights"
+                PlanRow.make(
+                    path,
+                    type(module).__name__,
+                    dtype,
+                    cast_here,
+                    kind=RowKind.WEIGHTS,
+                    note="weights",
                 )
             )
         for name, child in module._modules.items():
@@ -183,12 +189,13 @@ def convert_module_level(
     visit(root, prefix, Precision.LOW)
     if output_dtype is not None:
         rows.append(
-            PlanRow(
+            PlanRow.make(
                 prefix,
                 "outputs",
-                dtype_name(low),
+                low,
                 (),
-                ("floating outputs -> " + dtype_name(output_dtype),),
+                [Cast("floating outputs", output_dtype)],
+                kind=RowKind.OUTPUTS,
             )
         )
     root.__dict__["forward"] = ModuleCall(root, state, root=True, output_dtype=output_dtype)

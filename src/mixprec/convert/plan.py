@@ -49,13 +49,7 @@ class Cast(NamedTuple):
         return f"{self.value} -> {dtype_name(self.dtype)}"
 
 
-_DTYPES = {dtype_name(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
-
-
-def _as_cast(cast: Cast | tuple[str, torch.dtype] | str) -> Cast:
-    if isinstance(cast, str):  # "name -> dtype" (module-level rows)
-        value, _, dtype = cast.rpartition(" -> ")
-        return Cast(value, _DTYPES[dtype])
+def _as_cast(cast: Cast | tuple[str, torch.dtype]) -> Cast:
     return Cast(*cast)
 
 
@@ -77,20 +71,10 @@ class PlanRow:
     path: str
     op: str
     dtype: str
-    # (value, dtype) pairs; a ``"name -> dtype"`` string (module-level rows) is read into
-    # a Cast when the row is made
-    casts_before: tuple[Any, ...] = ()
-    casts_after: tuple[Any, ...] = ()
+    casts_before: tuple[Cast, ...] = ()
+    casts_after: tuple[Cast, ...] = ()
     note: str = ""
-    kind: RowKind | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "casts_before", tuple(map(_as_cast, self.casts_before)))
-        object.__setattr__(self, "casts_after", tuple(map(_as_cast, self.casts_after)))
-        if self.kind is None:
-            kinds = {k.value: k for k in RowKind}
-            kind = kinds.get(self.note) or kinds.get(self.op) or RowKind.OP
-            object.__setattr__(self, "kind", kind)
+    kind: RowKind = RowKind.OP
 
     @classmethod
     def make(
@@ -293,7 +277,7 @@ def _for_inputs(
     rows = []
     for row in plan.rows:
         if row.kind is RowKind.INPUTS and row.path == "":  # module level: every input
-            low = _DTYPES[plan.dtype]
+            low = row.casts_before[0].dtype  # the "floating inputs" cast
             leaves = [v for v in pytree.tree_leaves((args, kwargs)) if _needs_cast(v, low)]
             casts = tuple(Cast(f"input {i}", low) for i in range(len(leaves)))
             rows.append(dataclasses.replace(row, casts_before=casts))

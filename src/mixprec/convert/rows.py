@@ -222,7 +222,7 @@ def _target_dtype(cast: fx.Node, infos: dict[fx.Node, Info]) -> torch.dtype | No
     dtype = cast.args[1]
     if isinstance(dtype, fx.Node):  # promote: the widest floating input
         inputs = [infos.get(n, UNKNOWN) for n in dtype.all_input_nodes]
-        return ops.widest_dtype(*[torch.empty(0, dtype=i.dtype) for i in inputs if i.castable])
+        return ops.widest_of(i.dtype for i in inputs if i.castable and i.dtype is not None)
     return dtype if isinstance(dtype, torch.dtype) else None
 
 

@@ -10,7 +10,7 @@ one Python call and no kernel.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from mixprec.policy.dtypes import is_castable
 
-__all__ = ["cast", "cast_tree", "op_key", "op_name", "widest_dtype"]
+__all__ = ["cast", "cast_tree", "op_key", "op_name", "widest_dtype", "widest_of"]
 
 
 def cast(value: Any, dtype: torch.dtype | None) -> Any:
@@ -63,23 +63,22 @@ def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
     return pytree.tree_map(one, tree)
 
 
-def widest_dtype(*values: Any) -> torch.dtype | None:
-    """The widest castable floating dtype among tensors in ``values`` (lists included).
-
-    float32 beats the 16-bit types; float64 tensors are ignored (never cast down, and
-    never a reason to cast up), as ``torch.autocast``'s promote policy does. ``None``
-    when there is no castable tensor.
-    """
+def widest_of(dtypes: Iterable[torch.dtype]) -> torch.dtype | None:
+    """The one widest-dtype rule: PyTorch's type promotion over ``dtypes`` (float32 beats
+    the 16-bit types; float16 meets bfloat16 in float32); None for no dtype."""
     widest: torch.dtype | None = None
-    for leaf in pytree.tree_leaves(values):
-        if not is_castable(leaf):
-            continue
-        dtype = leaf.dtype
-        if widest is None or dtype == torch.float32:
-            widest = dtype
-        elif widest != dtype and widest != torch.float32:
-            widest = torch.float32  # float16 meets bfloat16: neither holds the other
+    for dtype in dtypes:
+        widest = dtype if widest is None else torch.promote_types(widest, dtype)
     return widest
+
+
+def widest_dtype(*values: Any) -> torch.dtype | None:
+    """:func:`widest_of` the castable floating tensors in ``values`` (lists included).
+
+    float64 tensors are ignored (never cast down, and never a reason to cast up), as
+    ``torch.autocast``'s promote policy does. None when there is no castable tensor.
+    """
+    return widest_of(leaf.dtype for leaf in pytree.tree_leaves(values) if is_castable(leaf))
 
 
 _REFLECTED = frozenset(
