@@ -96,6 +96,8 @@ class CastState:
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self._local = threading.local()
+        # this thread's frame exists from the start, so a compiled caller sees one state
+        self._local.frame = _Frame(MixedOperands(dtype))
         # the opt-in cache across calls (reuse_weight_casts); None: cast on every call
         self.reused: dict[int, _Entry] | None = None
 
@@ -209,9 +211,11 @@ class MixedOperands(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        lower = self._lower.get(func)
-        if lower is None:
-            lower = self._lower[func] = op_name(func) in _LOWER_OPS
+        if torch.compiler.is_compiling():  # no state the compiler would have to guard
+            lower = op_name(func) in _LOWER_OPS
+        else:
+            known = self._lower.get(func)
+            lower = self._lower[func] = op_name(func) in _LOWER_OPS if known is None else known
         if lower and self._mixed(args, kwargs):
             args, kwargs = cast_tree((args, kwargs), self.dtype)
         return func(*args, **kwargs)

@@ -117,6 +117,8 @@ class RuntimeListMode(TorchFunctionMode):
         def one(leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor) or leaf.dtype == dtype or not is_castable(leaf):
                 return leaf
+            if torch.compiler.is_compiling():  # the compiler removes repeated casts itself,
+                return leaf.to(dtype)  # and a dict it traced through would need guards
             key = (id(leaf), dtype)
             hit = self.memo.get(key)
             if hit is not None and hit[0] is leaf and hit[1] == leaf._version:
