@@ -254,6 +254,7 @@ def build_train_network(
     after_unscale: Callable[[TrainStep, list[torch.Tensor]], None] | None = None,
     after_skip: Callable[[TrainStep], None] | None = None,
     debug_overflow: bool = False,
+    emulate: bool = False,
 ) -> TrainStep:
     """Build a mixed-precision training step.
 
@@ -282,6 +283,8 @@ def build_train_network(
             :func:`mixprec.find_overflow` (no effect on training) and keep the report at
             ``step.last_overflow_report``, with a one-line warning naming the module; costs
             one host sync per step.
+        emulate: run the low-precision GEMMs (forward and backward) as float32 kernels on
+            rounded inputs with rounded results, as :func:`mixprec.auto_mixed_precision`.
 
     Returns:
         A :class:`TrainStep`: ``loss = step(*inputs, label)`` (or ``step(*inputs, **kwargs)``
@@ -334,7 +337,7 @@ def build_train_network(
         fp32_modules,
         low_modules,
     )
-    converted = convert(inner, recipe)
+    converted = convert(inner, recipe, emulate=emulate)
     masters = None
     if config.cast_model_type != torch.float32:
         masters = MasterWeights.install(converted)
