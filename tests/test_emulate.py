@@ -62,7 +62,9 @@ def test_network_emulated_is_closer_to_native_than_native_to_fp32(
     with CastCounter() as counter:
         emu_out, emu_grads = _loss_and_grads(emulated, model, x, y)
     low = amp.explain(emulated).dtype
-    assert any(source != torch.float32 and target == torch.float32 for source, target in counter.casts)
+    assert any(
+        source != torch.float32 and target == torch.float32 for source, target in counter.casts
+    )
     assert low in ("bfloat16", "float16")
     assert emulated(x).dtype == native(x).dtype
     # attention is emulated whole (native rounds its projections and probabilities too):
@@ -184,7 +186,8 @@ def test_every_entry_point_runs_emulated(monkeypatch: pytest.MonkeyPatch) -> Non
     seen.clear()
     thread.start()
     thread.join()
-    assert len(seen) == 2 and threading.get_ident() not in seen
+    assert len(seen) == 2
+    assert threading.get_ident() not in seen
     assert _no_mode_left()
 
 
@@ -213,7 +216,8 @@ def test_plan_repr_pickle_and_deepcopy_say_emulated() -> None:
     assert plan.to_dict()["emulated"] is True
     assert "emulated=bfloat16" in repr(net)
     native_plan = amp.explain(amp.auto_mixed_precision(model, "O1", "bf16"))
-    assert plan.num_casts == native_plan.num_casts and "emulated" not in native_plan.table()
+    assert plan.num_casts == native_plan.num_casts
+    assert "emulated" not in native_plan.table()
     assert amp.explain(net, torch.randn(2, 16)).to_dict()["emulated"] is True
     x = torch.randn(2, 16)
     for copied in (pickle.loads(pickle.dumps(net)), copy.deepcopy(net)):
@@ -226,20 +230,23 @@ def test_custom_lists_and_o0() -> None:
     net = amp.custom_mixed_precision(model, white_list=[nn.Linear], dtype="bf16", emulate=True)
     assert is_emulated(net)
     assert amp.auto_mixed_precision(model, "O0", emulate=True) is model  # nothing is low
-    assert not is_emulated(model) and "emulated" not in repr(model)
+    assert not is_emulated(model)
+    assert "emulated" not in repr(model)
+
+
+def _convert_with(call: str, model: nn.Module, emulate: object) -> object:
+    if call == "auto":
+        return amp.auto_mixed_precision(model, "O2", emulate=emulate)  # type: ignore[arg-type]
+    if call == "custom":
+        return amp.custom_mixed_precision(model, white_list=[nn.Linear], emulate=emulate)  # type: ignore[arg-type]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return amp.build_train_network(model, optimizer, level="O2", emulate=emulate)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("call", ["auto", "custom", "build"])
 def test_emulate_must_be_a_bool(call: str) -> None:
-    model = TinyMLP()
     with pytest.raises(TypeError, match=r"emulate must be a bool \(True or False\); got 'yes'"):
-        if call == "auto":
-            amp.auto_mixed_precision(model, "O2", emulate="yes")  # type: ignore[arg-type]
-        elif call == "custom":
-            amp.custom_mixed_precision(model, white_list=[nn.Linear], emulate="yes")  # type: ignore[arg-type]
-        else:
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            amp.build_train_network(model, optimizer, level="O2", emulate="yes")  # type: ignore[arg-type]
+        _convert_with(call, TinyMLP(), "yes")
 
 
 def test_emulation_does_not_warn_that_the_dtype_is_slow(monkeypatch: pytest.MonkeyPatch) -> None:

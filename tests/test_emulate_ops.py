@@ -203,7 +203,9 @@ def _compare(name: str, dtype: torch.dtype) -> None:
     factor = 2.5 if name in COMPOSITE else 1.0
     assert rel_error(emulated, native) <= factor * rel_error(native, reference) + 1e-6, name
     for i, (e, n, r) in enumerate(zip(emulated_grads, native_grads, ref_grads, strict=True)):
-        assert e is not None and n is not None and r is not None
+        assert e is not None
+        assert n is not None
+        assert r is not None
         assert e.dtype == n.dtype == dtype, f"{name}: gradient {i}"
         assert rel_error(e, n) <= factor * rel_error(n, r) + 1e-6, f"{name}: gradient {i}"
 
@@ -229,7 +231,8 @@ def test_float16_overflow_still_overflows() -> None:
     native = a @ a.T  # 4 * 40000 = 160000 > 65504
     with emulate.emulating():
         emulated = a @ a.T
-    assert torch.isinf(native).all() and torch.isinf(emulated).all()
+    assert torch.isinf(native).all()
+    assert torch.isinf(emulated).all()
     assert emulated.dtype == torch.float16
 
 
@@ -242,7 +245,8 @@ def test_mixed_or_float32_inputs_run_natively() -> None:
         with pytest.raises(RuntimeError):
             torch.mm(a32, b16)
         ints = torch.ones(2, 2, dtype=torch.long) @ torch.ones(2, 2, dtype=torch.long)
-    assert out.dtype == torch.float32 and ints.dtype == torch.long
+    assert out.dtype == torch.float32
+    assert ints.dtype == torch.long
     assert counter.total == 0
 
 

@@ -310,7 +310,9 @@ def goals(results: Sequence[Result]) -> list[dict[str, Any]]:
         if (case, AUTOCAST) not in by:  # emulated: the time against float32 is the goal
             o2 = by[(case, "mixprec O2")]
             checks.append(
-                _check(case, "O2 emulated train time vs fp32", o2.ratios["train_vs_fp32"], False, 1.3)
+                _check(
+                    case, "O2 emulated train time vs fp32", o2.ratios["train_vs_fp32"], False, 1.3
+                )
             )
             continue
         o1, o2, o3 = (by[(case, f"mixprec {lv}")] for lv in ("O1", "O2", "O3"))

@@ -214,7 +214,9 @@ def train_one(
         final_loss=sum(tail) / len(tail),
         step_ms=median_ms(times),
         saved_bytes=saved_bytes,
-        casts=_casts_per_forward(step.network, data.x_train[batches[0]]) if casts is None else casts,
+        casts=_casts_per_forward(step.network, data.x_train[batches[0]])
+        if casts is None
+        else casts,
         skipped_steps=int(step.skipped_steps),
         loss_scale=float(step.loss_scale) if spec.fp16_scaling or low == torch.float16 else None,
         steps=len(batches),
