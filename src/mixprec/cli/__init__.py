@@ -196,7 +196,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    console = make_console(width=200)  # one row per model and variant, a dozen columns
+    console = make_console(width=220)  # one row per model and variant, a dozen columns
     console.print(
         f"machine: {machine['cpu']}, {machine['cores']} cores, "
         f"{machine['torch_threads']} torch threads, torch {machine['torch']}"

@@ -22,7 +22,7 @@ BENCH_COLUMNS: tuple[str, ...] = (
     "train step",
     "train vs autocast",
     "train vs pure",
-    "train time / fp32",
+    "train vs fp32",
     "inference",
     "infer vs autocast",
     "infer vs pure",
