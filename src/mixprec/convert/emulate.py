@@ -9,7 +9,8 @@ is a layer put on a model *after* conversion, whatever the conversion did:
 - only the GEMM family (``F.linear``, ``matmul``/``@``, ``mm``, ``bmm``, ``addmm``,
   ``baddbmm``, ``addbmm``, ``mv``, ``addmv``, ``dot``, ``einsum``, ``tensordot``,
   convolutions, ``scaled_dot_product_attention``, multi-head attention, the recurrent
-  layers and cells, and their Tensor-method forms) is replaced, when its floating inputs
+  layers and cells, and their Tensor-method forms; also max pooling, exact in any dtype
+  but slow in bfloat16 without native support) is replaced, when its floating inputs
   all have one low dtype: the inputs are cast up to float32 (exact), the float32 kernel
   runs, and the result is rounded to the low dtype. That is what a native kernel does
   (float32 accumulation, one rounding of the result), up to the order of accumulation;
@@ -110,6 +111,10 @@ EMULATED_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
         _VF.gru_cell,
         _VF.rnn_tanh_cell,
         _VF.rnn_relu_cell,
+        # exact in any precision, but slow in bfloat16 where oneDNN has no native support
+        F.max_pool1d,
+        F.max_pool2d,
+        F.max_pool3d,
         _T.matmul,
         _T.__matmul__,
         _T.__rmatmul__,
