@@ -297,6 +297,7 @@ def test_bench_json_has_every_model_and_variant(bench_json: dict[str, Any]) -> N
             "train_vs_pure",
             "infer_vs_autocast",
             "infer_vs_pure",
+            "train_vs_fp32",
             "saved_vs_fp32",
         }
     by = {(r["case"], r["variant"]): r for r in results}
@@ -433,3 +434,48 @@ def test_diagnose_commands_run_through_main(capsys: pytest.CaptureFixture[str]) 
     err = capsys.readouterr().err
     assert err.startswith("mixprec lint: error: ")
     assert err.count("\n") == 1
+
+
+def test_bench_emulate_times_emulated_levels_against_fp32(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--quick", "--models", "mlp", "--repeats", "1", "--warmup", "0"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([*argv, "--emulate", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["settings"]["emulate"] is True
+    assert [r["variant"] for r in data["results"]] == [
+        v for v in VARIANTS if v not in ("torch.autocast", "pure")
+    ]
+    assert [g["goal"] for g in data["goals"]] == ["O2 emulated train time vs fp32"]
+
+
+def test_bench_device_must_be_cpu_or_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--quick", "--device", "tpu"]) == 2
+    assert "--device must be cpu or cuda; got 'tpu'" in capsys.readouterr().err
+
+
+def test_plan_emulate_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "mixprec.cli.models:lenet5", "--input", "1,1,32,32", "--level", "O2"]
+    assert main([*argv, "--dtype", "bf16", "--emulate"]) == 0
+    assert "bfloat16 emulated" in capsys.readouterr().out
+
+
+def test_demo_emulates_where_the_cpu_is_not_native(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake_cpu(monkeypatch, AVX2_ONLY)
+    code, text = _run_demo(tmp_path, "--steps-limit", "2", "--levels", "O0,O2,O2-fp16")
+    assert code == 0
+    assert re.search(r"^O2 +bfloat16\* ", text, re.MULTILINE), text
+    assert re.search(r"^O2-fp16 +float16\* ", text, re.MULTILINE), text
+    assert "*: emulated" in text
+    rows = {row["name"]: row for row in json.loads((tmp_path / JSON_NAME).read_text())}
+    assert rows["O2"]["emulated"]
+    assert not rows["O0"]["emulated"]
+    assert rows["O2"]["casts"] == 2  # the level's casts, as a native step makes them
+    assert 0 < rows["O2"]["saved_bytes"] < rows["O0"]["saved_bytes"]
+    fake_cpu(monkeypatch, NATIVE_BF16)
+    code, text = _run_demo(tmp_path, "--steps-limit", "2", "--levels", "O2")
+    assert re.search(r"^O2 +bfloat16 ", text, re.MULTILINE), text
+    code, text = _run_demo(tmp_path, "--steps-limit", "2", "--levels", "O2", "--emulate")
+    assert re.search(r"^O2 +bfloat16\* ", text, re.MULTILINE), text

@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--steps-limit", type=int, default=None, help="stop each run after this many steps"
     )
+    demo.add_argument(
+        "--emulate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the low-precision levels emulated (float32 kernels, rounded results); "
+        "default: where this CPU has no native support for the dtype",
+    )
 
     plan = commands.add_parser("plan", help=_PLAN_HELP, description=_PLAN_HELP)
     plan.add_argument(
@@ -95,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--level", default="O1", help="O1, O2, O3, autocast or auto (default O1)")
     plan.add_argument("--dtype", default=None, help="bf16 or fp16 (default: the device's)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--emulate", action="store_true", help="convert with emulate=True")
 
     bench = commands.add_parser("bench", help=_BENCH_HELP, description=_BENCH_HELP)
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -104,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 3)")
     bench.add_argument("--dtype", default="bf16", help="low dtype: bf16 or fp16 (default bf16)")
     bench.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    bench.add_argument(
+        "--emulate",
+        action="store_true",
+        help="mixprec levels emulated, timed against float32 (low-precision baselines left out)",
+    )
+    bench.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
 
     doctor = commands.add_parser("doctor", help=_DOCTOR_HELP, description=_DOCTOR_HELP)
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -155,7 +169,7 @@ def _plan(args: argparse.Namespace) -> int:
     from mixprec.cli.plan import run_plan
 
     try:
-        run_plan(args.model, args.input, args.level, args.dtype, args.json)
+        run_plan(args.model, args.input, args.level, args.dtype, args.json, emulate=args.emulate)
     except PlanError as error:
         raise UsageError(str(error)) from error
     return 0
@@ -182,7 +196,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    console = make_console(width=200)  # one row per model and variant, a dozen columns
+    console = make_console(width=220)  # one row per model and variant, a dozen columns
     console.print(
         f"machine: {machine['cpu']}, {machine['cores']} cores, "
         f"{machine['torch_threads']} torch threads, torch {machine['torch']}"

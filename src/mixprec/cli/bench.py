@@ -10,6 +10,11 @@ a copy of the same initial weights and its own SGD optimizer:
 - ``mixprec O1/O2/O3/autocast``: :func:`mixprec.build_train_network` for the training
   step, :func:`mixprec.auto_mixed_precision` under ``torch.no_grad()`` for inference.
 
+With ``emulate`` the mixprec levels run emulated (``emulate=True``) and are timed against
+``fp32`` alone (the native low-precision baselines are left out: on a CPU without native
+support they are what emulation avoids). ``device="cuda"`` runs everything on the GPU,
+with ``torch.autocast("cuda")`` and ``GradScaler("cuda")`` as the baseline.
+
 Timings are medians over repeated calls after warm-up, with all variants of a model
 interleaved round by round (in a rotating order) so machine noise hits them alike.
 Ratios are speedups: ``t(reference) / t(variant)``, above 1 is faster. Casts are counted
@@ -64,6 +69,13 @@ class BenchSettings:
     quick: bool = False
     cases: tuple[str, ...] = ("mlp", "cnn", "transformer")
     lr: float = 1e-3
+    emulate: bool = False
+    device: str = "cpu"
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The variants measured: all, or float32 and the emulated mixprec levels."""
+        return tuple(v for v in VARIANTS if not self.emulate or v not in (AUTOCAST, PURE))
 
 
 @dataclass
@@ -135,6 +147,8 @@ class _Variant:
 
 def _build(name: str, model: nn.Module, batch: Batch, s: BenchSettings) -> _Variant:
     inputs, label = batch
+    inputs = tuple(t.to(s.device) for t in inputs)
+    label = label.to(s.device)
     loss_fn = nn.CrossEntropyLoss()
     trained = copy.deepcopy(model)
     served = copy.deepcopy(model).eval()
@@ -151,11 +165,11 @@ def _build(name: str, model: nn.Module, batch: Batch, s: BenchSettings) -> _Vari
     if name == "fp32":
         return _Variant(plain_train, lambda: trained(*inputs), lambda: served(*inputs), owned)
     if name == AUTOCAST:
-        scaler = torch.amp.GradScaler("cpu", enabled=s.dtype == torch.float16)
+        scaler = torch.amp.GradScaler(s.device, enabled=s.dtype == torch.float16)
 
         def autocast_train() -> object:
             optimizer.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=s.dtype):
+            with torch.autocast(s.device, dtype=s.dtype):
                 loss = loss_fn(trained(*inputs), label)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -163,7 +177,7 @@ def _build(name: str, model: nn.Module, batch: Batch, s: BenchSettings) -> _Vari
             return loss
 
         def autocast_forward(net: nn.Module) -> object:
-            with torch.autocast("cpu", dtype=s.dtype):
+            with torch.autocast(s.device, dtype=s.dtype):
                 return net(*inputs)
 
         return _Variant(
@@ -191,8 +205,10 @@ def _build(name: str, model: nn.Module, batch: Batch, s: BenchSettings) -> _Vari
             owned,
         )
     level = name.removeprefix("mixprec ")
-    step = mixprec.build_train_network(trained, optimizer, loss_fn, level=level, dtype=s.dtype)
-    converted = mixprec.auto_mixed_precision(served, level, s.dtype)
+    step = mixprec.build_train_network(
+        trained, optimizer, loss_fn, level=level, dtype=s.dtype, emulate=s.emulate
+    )
+    converted = mixprec.auto_mixed_precision(served, level, s.dtype, emulate=s.emulate)
     owned += [*step.network.parameters(), *step.network.buffers()]
     return _Variant(
         lambda: step(*inputs, label),
@@ -202,9 +218,14 @@ def _build(name: str, model: nn.Module, batch: Batch, s: BenchSettings) -> _Vari
     )
 
 
-def _timed(fn: Callable[[], object]) -> float:
+def _timed(fn: Callable[[], object], device: str = "cpu") -> float:
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -218,7 +239,7 @@ def _interleaved(fns: dict[str, Callable[[], object]], s: BenchSettings) -> dict
     for round_ in range(s.repeats):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
-            times[name].append(_timed(fns[name]))
+            times[name].append(_timed(fns[name], s.device))
     return {name: median_ms(values) for name, values in times.items()}
 
 
@@ -231,9 +252,9 @@ def _count(fn: Callable[[], object]) -> int:
 def bench_case(case: Case, s: BenchSettings) -> list[Result]:
     """Measure every variant of one model."""
     torch.manual_seed(0)
-    model = case.make_model()
+    model = case.make_model().to(s.device)
     batch = case.make_batch(torch.Generator().manual_seed(0))
-    variants = {name: _build(name, model, batch, s) for name in VARIANTS}
+    variants = {name: _build(name, model, batch, s) for name in s.variants}
     saved: dict[str, int] = {}
     for name, v in variants.items():
         v.train()  # a first step outside the timing: compiles nothing, allocates everything
@@ -249,13 +270,15 @@ def bench_case(case: Case, s: BenchSettings) -> list[Result]:
     with torch.no_grad():
         infer = _interleaved({name: v.infer for name, v in variants.items()}, s)
     results = []
-    for name in VARIANTS:
+    nan = float("nan")
+    for name in s.variants:
         ratios = {
-            "train_vs_autocast": train[AUTOCAST] / train[name],
-            "train_vs_pure": train[PURE] / train[name],
-            "infer_vs_autocast": infer[AUTOCAST] / infer[name],
-            "infer_vs_pure": infer[PURE] / infer[name],
-            "saved_vs_fp32": saved[name] / saved["fp32"] if saved["fp32"] else float("nan"),
+            "train_vs_autocast": train[AUTOCAST] / train[name] if AUTOCAST in train else nan,
+            "train_vs_pure": train[PURE] / train[name] if PURE in train else nan,
+            "infer_vs_autocast": infer[AUTOCAST] / infer[name] if AUTOCAST in infer else nan,
+            "infer_vs_pure": infer[PURE] / infer[name] if PURE in infer else nan,
+            "train_vs_fp32": train["fp32"] / train[name],
+            "saved_vs_fp32": saved[name] / saved["fp32"] if saved["fp32"] else nan,
         }
         results.append(
             Result(
@@ -284,6 +307,18 @@ def goals(results: Sequence[Result]) -> list[dict[str, Any]]:
     checks: list[dict[str, Any]] = []
     by = {(r.case, r.variant): r for r in results}
     for case in dict.fromkeys(r.case for r in results):
+        if (case, AUTOCAST) not in by:  # emulated: the time against float32 is the goal
+            o2 = by[(case, "mixprec O2")]
+            checks.append(
+                _check(
+                    case,
+                    "O2 emulated train time vs fp32",
+                    1 / o2.ratios["train_vs_fp32"],
+                    False,
+                    1.3,
+                )
+            )
+            continue
         o1, o2, o3 = (by[(case, f"mixprec {lv}")] for lv in ("O1", "O2", "O3"))
         ac = by[(case, AUTOCAST)]
         checks += [
@@ -351,4 +386,12 @@ def settings_from_args(args: Any) -> BenchSettings:
         dtype = resolve_dtype(args.dtype)
     except ValueError as error:
         raise ValueError(f"--dtype: {error}") from error
-    return BenchSettings(dtype=dtype, quick=args.quick, cases=chosen, **counts)
+    device = getattr(args, "device", "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda; got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here")
+    emulate = bool(getattr(args, "emulate", False))
+    return BenchSettings(
+        dtype=dtype, quick=args.quick, cases=chosen, emulate=emulate, device=device, **counts
+    )

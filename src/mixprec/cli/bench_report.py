@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -21,6 +22,7 @@ BENCH_COLUMNS: tuple[str, ...] = (
     "train step",
     "train vs autocast",
     "train vs pure",
+    "train vs fp32",
     "inference",
     "infer vs autocast",
     "infer vs pure",
@@ -32,14 +34,16 @@ BENCH_COLUMNS: tuple[str, ...] = (
 
 
 def _x(value: float) -> str:
-    return f"{value:.2f}x"
+    return "-" if math.isnan(value) else f"{value:.2f}x"
 
 
 def results_table(results: Sequence[Result], settings: BenchSettings) -> Table:
     """One row per (model, variant)."""
     dtype = dtype_name(settings.dtype)
+    emulated = " emulated" if settings.emulate else ""
     table = Table(
-        title=f"mixprec bench ({dtype}): median ms, speedups t(reference) / t(variant)",
+        title=f"mixprec bench ({dtype}{emulated}, {settings.device}): median ms, "
+        "speedups t(reference) / t(variant)",
         caption=(
             f"{settings.repeats} timed rounds after {settings.warmup} warm-up calls, variants "
             "interleaved; 'pure' is model.to(" + dtype + "); saved for backward excludes "
@@ -59,6 +63,7 @@ def results_table(results: Sequence[Result], settings: BenchSettings) -> Table:
             f"{r.train_ms:.1f} ms",
             _x(r.ratios["train_vs_autocast"]),
             _x(r.ratios["train_vs_pure"]),
+            _x(r.ratios["train_vs_fp32"]),
             f"{r.infer_ms:.2f} ms",
             _x(r.ratios["infer_vs_autocast"]),
             _x(r.ratios["infer_vs_pure"]),
@@ -72,7 +77,7 @@ def results_table(results: Sequence[Result], settings: BenchSettings) -> Table:
 
 def goals_table(results: Sequence[Result]) -> Table:
     """mixprec's performance goals: target, measured value, met or not, per model."""
-    table = Table(title="goals (CPU, low precision)")
+    table = Table(title="goals (low precision)")
     for column in ("model", "goal", "target", "measured", "met"):
         table.add_column(column, justify="right" if column in ("measured", "met") else "left")
     for check in goals(results):

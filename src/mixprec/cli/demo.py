@@ -1,7 +1,11 @@
 """``mixprec demo``: LeNet-5 on scikit-learn's digits, trained once per level.
 
 Every run starts from the same initial weights and sees the same batches in the same
-order; only the level changes. Each run is a :func:`mixprec.build_train_network` step
+order; only the level changes. On a CPU without native support for a run's dtype (no
+bfloat16 dot-product instructions; float16 on nearly every CPU) that run is emulated
+(``emulate=True``: float32 kernels on rounded inputs, rounded results), so the demo is
+fast everywhere; its bytes saved for backward are measured on one native step, as a
+native run would keep them. Each run is a :func:`mixprec.build_train_network` step
 with Adam. The table says what each level costs and buys; the PNG shows the loss curves
 and, for the float16 run, the dynamic loss scale over the steps.
 """
@@ -29,6 +33,7 @@ from mixprec.cli.demo_config import LEVEL_CHOICES, DemoConfig, config_from_args,
 from mixprec.cli.measure import format_bytes, median_ms
 from mixprec.cli.models import lenet5
 from mixprec.inspect import CastCounter, SavedBytes
+from mixprec.policy.hardware import is_native
 
 __all__ = [
     "COLUMNS",
@@ -69,6 +74,7 @@ class RunSpec:
     level: str
     dtype: torch.dtype | None
     fp16_scaling: bool = False
+    emulate: bool = False
 
 
 @dataclass
@@ -86,18 +92,45 @@ class RunResult:
     skipped_steps: int
     loss_scale: float | None
     steps: int
+    emulated: bool = False
     losses: list[float] = field(default_factory=list, repr=False)
     scales: list[float] = field(default_factory=list, repr=False)
 
 
-def _spec(name: str, dtype: torch.dtype) -> RunSpec:
+def _spec(name: str, dtype: torch.dtype, emulate: bool | None = None) -> RunSpec:
+    """One run; ``emulate=None`` emulates where the CPU runs the dtype slowly."""
     if name == "O0":
         return RunSpec("O0", "O0", None)
-    if name == "auto":  # the recommendation chooses its own dtype
-        return RunSpec("auto", "auto", None)
+    if name == "auto":  # the recommendation chooses its own dtype (O0 where none is native)
+        return RunSpec("auto", "auto", None, emulate=bool(emulate))
+    low = torch.float16 if name == "O2-fp16" else dtype
+    emulated = not is_native(low, "cpu") if emulate is None else emulate
     if name == "O2-fp16":
-        return RunSpec("O2-fp16", "O2", torch.float16, fp16_scaling=True)
-    return RunSpec(name, name, dtype)
+        return RunSpec("O2-fp16", "O2", torch.float16, fp16_scaling=True, emulate=emulated)
+    return RunSpec(name, name, dtype, emulate=emulated)
+
+
+def _native_counts(
+    spec: RunSpec, config: DemoConfig, x: torch.Tensor, y: torch.Tensor
+) -> tuple[int, int]:
+    """What one native step of ``spec`` keeps for backward and the casts of its forward
+    (an emulated step keeps float32 copies of its GEMM inputs, and casts them)."""
+    torch.manual_seed(config.seed)
+    model = lenet5()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the slow-dtype warning: one step is run natively
+        probe = mixprec.build_train_network(
+            model,
+            torch.optim.Adam(model.parameters(), lr=config.lr),
+            nn.CrossEntropyLoss(),
+            level=spec.level,
+            dtype=spec.dtype,
+        )
+    exclude = [*model.parameters(), *model.buffers()]
+    exclude += [*probe.network.parameters(), *probe.network.buffers()]
+    with SavedBytes(exclude=exclude) as saved:
+        probe(x, y)
+    return saved.total, _casts_per_forward(probe.network, x)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -132,7 +165,7 @@ def train_one(
     torch.manual_seed(config.seed)
     model = lenet5()
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    options: dict[str, Any] = {"dtype": spec.dtype}
+    options: dict[str, Any] = {"dtype": spec.dtype, "emulate": spec.emulate}
     if spec.fp16_scaling:
         # A short window so that the demo's few hundred steps show the scale move both ways.
         options["loss_scale_manager"] = mixprec.DynamicLossScaleManager(
@@ -149,9 +182,13 @@ def train_one(
     scales: list[float] = []
     times: list[float] = []
     saved_bytes = 0
+    casts: int | None = None
     for index, batch in enumerate(batches):
         x, y = data.x_train[batch], data.y_train[batch]
-        if index == 0:  # a warm-up step anyway: measure what it keeps for backward
+        if index == 0 and spec.emulate:
+            saved_bytes, casts = _native_counts(spec, config, x, y)
+            loss = step(x, y)
+        elif index == 0:  # a warm-up step anyway: measure what it keeps for backward
             with SavedBytes(exclude=exclude) as saved:
                 loss = step(x, y)
             saved_bytes = saved.total
@@ -177,10 +214,13 @@ def train_one(
         final_loss=sum(tail) / len(tail),
         step_ms=median_ms(times),
         saved_bytes=saved_bytes,
-        casts=_casts_per_forward(step.network, data.x_train[batches[0]]),
+        casts=_casts_per_forward(step.network, data.x_train[batches[0]])
+        if casts is None
+        else casts,
         skipped_steps=int(step.skipped_steps),
         loss_scale=float(step.loss_scale) if spec.fp16_scaling or low == torch.float16 else None,
         steps=len(batches),
+        emulated=spec.emulate and str(step.level) != "O0",
         losses=losses,
         scales=scales,
     )
@@ -202,7 +242,7 @@ def _table(results: Sequence[RunResult]) -> Table:
         ratio = f"{r.step_ms / base:.2f}x" if base else "-"
         table.add_row(
             name,
-            r.dtype,
+            f"{r.dtype}*" if r.emulated else r.dtype,
             f"{r.accuracy:.2f}%",
             f"{r.final_loss:.4f}",
             f"{r.step_ms:.2f}",
@@ -269,7 +309,7 @@ def run_demo(config: DemoConfig, console: Console) -> list[RunResult]:
     batches = batch_order(len(data.y_train), config.batch_size, config.epochs, config.seed)
     if config.steps_limit is not None:
         batches = batches[: config.steps_limit]
-    specs = [_spec(name, config.dtype) for name in config.levels]
+    specs = [_spec(name, config.dtype, config.emulate) for name in config.levels]
     console.print(
         f"LeNet-5 on {len(data.y_train)} train / {len(data.y_test)} test digits: "
         f"{len(batches)} steps of {config.batch_size} per run, Adam lr {config.lr:g}, "
@@ -300,6 +340,11 @@ def _summary(results: Sequence[RunResult]) -> str:
     notes = [
         "step time: median over the steps after warm-up; casts counted in one training forward"
     ]
+    if any(r.emulated for r in results):
+        notes.append(
+            "*: emulated (float32 kernels on rounded inputs, results rounded): this CPU has no "
+            "native\nsupport for the dtype; saved/step and casts are what a native step has"
+        )
     if base is None or len(results) == 1:
         return "\n".join(notes)
     off = [r for r in results if abs(r.accuracy - base.accuracy) > TOLERANCE]

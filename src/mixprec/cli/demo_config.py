@@ -32,6 +32,8 @@ class DemoConfig:
     seed: int = 0
     out: Path = Path("mixprec-demo")
     steps_limit: int | None = None
+    #: run the low levels emulated: None = where the CPU has no native support for the dtype
+    emulate: bool | None = None
 
 
 def parse_levels(text: str) -> tuple[str, ...]:
@@ -73,4 +75,5 @@ def config_from_args(args: Any) -> DemoConfig:
         seed=args.seed,
         out=Path(args.out),
         steps_limit=args.steps_limit,
+        emulate=getattr(args, "emulate", None),
     )

@@ -172,6 +172,7 @@ def make_plan(
     level: str = "O2",
     dtype: str | None = None,
     seed: int = 0,
+    emulate: bool = False,
 ) -> tuple[mixprec.CastPlan, str]:
     """Build, run, convert and run again; returns the plan and a one-line description."""
     try:
@@ -192,7 +193,7 @@ def make_plan(
     specs = " ".join(str(spec) for spec in inputs)
     _run(model, tensors, f"the model {target}", specs)
     try:
-        converted = mixprec.auto_mixed_precision(model, parsed_level, low)
+        converted = mixprec.auto_mixed_precision(model, parsed_level, low, emulate=emulate)
     except (TypeError, ValueError) as error:
         raise PlanError(f"converting {target} to {parsed_level} failed: {error}") from error
     if converted is model:
@@ -209,11 +210,13 @@ def run_plan(
     dtype: str | None,
     as_json: bool,
     write: Callable[[str], None] = print,
+    emulate: bool = False,
 ) -> None:
     """The ``mixprec plan`` command: prints the plan's table or its JSON."""
     if not inputs:
         raise PlanError("give at least one --input SHAPE (e.g. --input 1,3,32,32)")
-    plan, line = make_plan(target, [parse_input(text) for text in inputs], level, dtype)
+    specs = [parse_input(text) for text in inputs]
+    plan, line = make_plan(target, specs, level, dtype, emulate=emulate)
     if as_json:
         write(json.dumps(plan.to_dict(), indent=2))
     else:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mixprec._warn import warn
+from mixprec.convert.emulate import install_emulation
 from mixprec.convert.graph import convert_graph
 from mixprec.convert.module_level import convert_module_level
 from mixprec.convert.structure import find_converted
@@ -71,6 +72,7 @@ def auto_mixed_precision(
     fp32_modules: Pins = None,
     low_modules: Pins = None,
     lint: bool = False,
+    emulate: bool = False,
 ) -> nn.Module:
     """Convert a model to a mixed-precision level.
 
@@ -87,6 +89,10 @@ def auto_mixed_precision(
         low_modules: modules to run in low precision whatever the lists say.
         lint: run :func:`mixprec.lint` on the model at this level and warn about each
             finding (constants and norm eps that do not fit the dtype).
+        emulate: compute the low-precision matmuls, convolutions and attention with float32
+            kernels on the rounded inputs, rounding each result (and gradient) to the low
+            dtype: the level's numerics at float32 speed on a machine without native
+            low precision (see :mod:`mixprec.convert.emulate`). No effect at O0.
 
     Returns:
         The converted model (the network itself for O0): a module of the original's
@@ -105,10 +111,11 @@ def auto_mixed_precision(
         torch.float32
     """
     network = check_network(network)
+    check_emulate(emulate)
     recipe = resolve(network, amp_level, dtype, fp32_modules=fp32_modules, low_modules=low_modules)
     if lint and recipe.level is not Level.O0:
         _warn_lint(network, recipe, fp32_modules)
-    return convert(network, recipe)
+    return convert(network, recipe, emulate=emulate)
 
 
 def _warn_lint(network: nn.Module, recipe: Recipe, fp32_modules: Pins) -> None:
@@ -119,24 +126,37 @@ def _warn_lint(network: nn.Module, recipe: Recipe, fp32_modules: Pins) -> None:
         warn(f"mixprec lint: {finding}")
 
 
-def convert(network: nn.Module, recipe: Recipe) -> nn.Module:
+def check_emulate(emulate: object) -> bool:
+    """``emulate`` must be a bool (a TypeError names the value otherwise)."""
+    if not isinstance(emulate, bool):
+        raise TypeError(f"emulate must be a bool (True or False); got {emulate!r}")
+    return emulate
+
+
+def convert(network: nn.Module, recipe: Recipe, *, emulate: bool = False) -> nn.Module:
     """The one front door of conversion: ``network`` converted by a resolved policy.
 
     Every entry point (``auto_mixed_precision``, ``custom_mixed_precision``,
     ``build_train_network``, the diagnostics) comes through here, so every one refuses an
-    already-converted network and warns (once) when the device runs the dtype slowly.
+    already-converted network and warns (once) when the device runs the dtype slowly
+    (not when it is emulated: emulation runs at float32 speed). With ``emulate`` the
+    converted model's low-precision GEMMs run emulated (:mod:`mixprec.convert.emulate`).
 
     Raises:
         TypeError: ``network`` is not a module.
         ValueError: ``network`` (or a submodule) is already converted.
     """
     network = check_network(network)
+    check_emulate(emulate)
     if recipe.level is Level.O0:
         return network
-    warn_if_slow(recipe.dtype, device_of(network))
+    if not emulate:
+        warn_if_slow(recipe.dtype, device_of(network))
     if recipe.level in (Level.O2, Level.O3):
-        return convert_module_level(network, recipe)
-    return convert_graph(network, recipe)
+        converted = convert_module_level(network, recipe)
+    else:
+        converted = convert_graph(network, recipe)
+    return install_emulation(converted, recipe.dtype) if emulate else converted
 
 
 def custom_mixed_precision(
@@ -147,12 +167,13 @@ def custom_mixed_precision(
     dtype: torch.dtype | str | None = None,
     fp32_modules: Pins = None,
     low_modules: Pins = None,
+    emulate: bool = False,
 ) -> nn.Module:
     """Convert with your own list: exactly one of ``white_list`` or ``black_list``.
 
     A white list (module classes and functions) takes the O1 path with that list; a black
-    list (module classes) takes the O2 path with that list. Pins work as in
-    :func:`auto_mixed_precision` and beat the list.
+    list (module classes) takes the O2 path with that list. Pins and ``emulate`` work as
+    in :func:`auto_mixed_precision`; pins beat the list.
 
     Raises:
         TypeError: a list that is not a ``list`` or holds something other than classes
@@ -163,6 +184,7 @@ def custom_mixed_precision(
         >>> net = mixprec.custom_mixed_precision(model, white_list=[torch.nn.Linear, torch.matmul])
     """
     network = check_network(network)
+    check_emulate(emulate)
     if (white_list is None) == (black_list is None):
         given = "both" if white_list is not None else "neither"
         raise ValueError(
@@ -196,4 +218,4 @@ def custom_mixed_precision(
                 ", ".join(left_out),
                 dtype_name(recipe.dtype),
             )
-    return convert(network, recipe)
+    return convert(network, recipe, emulate=emulate)

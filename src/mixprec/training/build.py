@@ -243,6 +243,7 @@ def build_train_network(
     debug_overflow: bool = False,
     process_group: Any = None,
     boost_config: Mapping[str, Any] | None = None,
+    emulate: bool = False,
 ) -> TrainStep:
     """Build a mixed-precision training step.
 
@@ -276,6 +277,8 @@ def build_train_network(
         process_group: the ranks the step agrees with under ``torch.distributed``
             (default: the DDP's or FSDP2 mesh's own group, else the whole world).
         boost_config: options of the boost level (see :class:`mixprec.boost.BoostConfig`).
+        emulate: run the low-precision GEMMs (forward and backward) as float32 kernels on
+            rounded inputs with rounded results, as :func:`mixprec.auto_mixed_precision`.
 
     Returns:
         A :class:`TrainStep`: ``loss = step(*inputs, label)`` (or ``step(*inputs, **kwargs)``
@@ -335,7 +338,7 @@ def build_train_network(
         check_boundaries(inner, manager.loss_scale_groups)
     _check_wrapped(inner, replicas, config)
     # under FSDP2 the parameters are FSDP2's to cast (see mixprec.distributed.fully_shard)
-    converted = inner if fsdp is not None else convert(inner, recipe)
+    converted = inner if fsdp is not None else convert(inner, recipe, emulate=emulate)
     masters = None
     if config.cast_model_type != torch.float32:
         masters = MasterWeights.install(converted)
