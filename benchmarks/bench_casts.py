@@ -66,7 +66,7 @@ def main() -> None:
                 cells.append(f"{casts:>4d} ({rel_error(out.float(), reference):.1e})")
             print(f"{model_name:26s} " + "".join(f"{c:>16s}" for c in cells))
     print(
-        "\nWith gradients off, O2/O3 reuse weight casts until a weight changes; torch.autocast's "
+        "\nWith gradients off, O2/O3 still cast their weights on every call (reuse_weight_casts opts in to a cache); torch.autocast's "
         "inference TransformerEncoderLayer takes PyTorch's fused fast path, which it does not cast "
         "(it runs in float32)."
     )
