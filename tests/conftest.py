@@ -40,12 +40,22 @@ AVX2_ONLY = replace(
 AVX512_NO_BF16 = replace(NATIVE_BF16, avx512_bf16=False, amx_tile=False)
 
 CPU_KINDS = {"native-bf16": NATIVE_BF16, "avx2-only": AVX2_ONLY}
+#: The probe itself, for the one test that describes the machine it runs on.
+REAL_CPU_FEATURES = hardware.cpu_features
 
 
 def fake_cpu(monkeypatch: pytest.MonkeyPatch, features: hardware.CpuFeatures) -> None:
     """Make the hardware probe describe ``features`` (and forget earlier warnings)."""
     monkeypatch.setattr(hardware, "cpu_features", lambda: features)
     dtypes._warn_slow_once.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _same_cpu_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test sees a native-bf16 CPU unless it asks for another (``cpu_kind``,
+    ``fake_cpu``): no test's outcome depends on the machine it runs on, not even through
+    the once-per-process slow-dtype warning."""
+    fake_cpu(monkeypatch, NATIVE_BF16)
 
 
 @pytest.fixture(params=sorted(CPU_KINDS))

@@ -189,6 +189,14 @@ COMPOSITE = {
     "gru_cell",
     "rnn_tanh_cell",
     "rnn_relu_cell",
+    # where oneDNN may not run bf16/fp16 (an AVX2-only CPU, or ONEDNN_MAX_CPU_ISA=AVX2),
+    # PyTorch's own low-precision convolution rounds partial sums (seen at 1.05x there)
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mixprec as amp
-from conftest import AVX2_ONLY, AVX512_NO_BF16, NATIVE_BF16, fake_cpu
+from conftest import AVX2_ONLY, AVX512_NO_BF16, NATIVE_BF16, REAL_CPU_FEATURES, fake_cpu
 from helpers import MLP
 from mixprec.policy import dtypes, hardware
 from mixprec.policy.levels import Level, recommend
@@ -42,7 +42,8 @@ def test_cpu_rules(
     assert hardware.native_dtypes("cpu") == expected
 
 
-def test_the_real_probe_describes_this_process() -> None:
+def test_the_real_probe_describes_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hardware, "cpu_features", REAL_CPU_FEATURES)
     features = hardware.cpu_features()
     assert features.arch
     assert features.capability == str(torch.backends.cpu.get_cpu_capability())

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import mixprec
+from conftest import NATIVE_BF16, fake_cpu
 from helpers import MLP
 from mixprec.cli.diagnose import add_commands
 from mixprec.cli.plan import PlanError
@@ -122,7 +123,8 @@ def test_clean_transformers_models_report_nothing(level: str) -> None:
         assert str(report) == f"lint: level {level}, float16: no findings"
 
 
-def test_auto_mixed_precision_lint_warns() -> None:
+def test_auto_mixed_precision_lint_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cpu(monkeypatch, NATIVE_BF16)  # bf16 native: no slow-dtype warning in the strict block
     model = nn.Sequential(MaskedAttention(), nn.Linear(8, 2))
     with pytest.warns(UserWarning, match=r"mixprec lint: \[large constant\] 0 \(MaskedAttention\)"):
         mixprec.auto_mixed_precision(model, "O2", "fp16", lint=True)
