@@ -222,6 +222,9 @@ def test_explain_with_example_inputs_counts_their_casts(level: str) -> None:
         # run time: the plan names that part and counts no more casts than are made
         assert plan.runtime_parts == ("encoder",)
         assert plan.num_casts <= counter.total
+        assert "encoder runs at run time: its forward branches or loops on tensor values" in str(
+            plan
+        )
         return
     assert plan.runtime_parts == ()
     assert amp.explain(converted, tokens).num_casts == counter.total

@@ -210,6 +210,11 @@ class CastPlan:
                 else ""
             )
         )
+        lines += [  # why each part is left to run time, in plain words (uncounted casts)
+            f"  {row.path or '(model)'} runs at run time: {row.note}"
+            for row in self.rows
+            if row.kind is RowKind.RUNTIME and row.note
+        ]
         return "\n".join(lines)
 
     def __str__(self) -> str:
