@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mixprec._warn import warn
+from mixprec.convert.autocast import convert_autocast, runs_as_torch_autocast
 from mixprec.convert.emulate import install_emulation
 from mixprec.convert.graph import convert_graph
 from mixprec.convert.module_level import convert_module_level
@@ -154,6 +155,8 @@ def convert(network: nn.Module, recipe: Recipe, *, emulate: bool = False) -> nn.
         warn_if_slow(recipe.dtype, device_of(network))
     if recipe.level in (Level.O2, Level.O3):
         converted = convert_module_level(network, recipe)
+    elif runs_as_torch_autocast(recipe):
+        converted = convert_autocast(network, recipe)
     else:
         converted = convert_graph(network, recipe)
     return install_emulation(converted, recipe.dtype) if emulate else converted
