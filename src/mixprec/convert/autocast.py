@@ -75,25 +75,33 @@ class AutocastForward(ForwardBase):
     """
 
     def __init__(
-        self, module: nn.Module, device_type: str, dtype: torch.dtype, *, root: bool
+        self,
+        module: nn.Module,
+        device_type: str,
+        dtype: torch.dtype,
+        *,
+        root: bool,
+        under_fast_path: bool = False,
     ) -> None:
         self.module = module
         self.device_type = device_type
         self.dtype = dtype
         self.root = root
         self.as_written = isinstance(module, FAST_PATH_MODULES)
+        self.may_get_nested = under_fast_path  # only a fast path makes nested tensors
         self.warned = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         device = self.device_type
-        if self.as_written or any_nested(args, kwargs):
+        if self.as_written or (self.may_get_nested and any_nested(args, kwargs)):
             with torch.autocast(device, enabled=False):
                 return type(self.module).forward(self.module, *args, **kwargs)
         if torch.is_autocast_enabled(device):
-            if self.root and not self.warned:
+            if not self.root:
+                if torch.get_autocast_dtype(device) == self.dtype:  # inside the model
+                    return type(self.module).forward(self.module, *args, **kwargs)
+            elif not self.warned:
                 self._warn_outer()
-            elif torch.get_autocast_dtype(device) == self.dtype:
-                return type(self.module).forward(self.module, *args, **kwargs)
         with torch.autocast(device, self.dtype):
             return type(self.module).forward(self.module, *args, **kwargs)
 
@@ -147,7 +155,7 @@ def convert_autocast(network: nn.Module, recipe: Recipe) -> nn.Module:
     (see the module docstring); :func:`mixprec.explain` reads its plan."""
     root = structural_copy(network)
     seen: set[int] = set()
-    for _path, module, scopes in _walk(root, "", (("", root),)):
+    for _, module, scopes in _walk(root, "", (("", root),)):
         if id(module) in seen:
             continue
         seen.add(id(module))
@@ -161,7 +169,11 @@ def convert_autocast(network: nn.Module, recipe: Recipe) -> nn.Module:
             )
         elif type(module).forward is not nn.Module.forward:
             module.__dict__["forward"] = AutocastForward(
-                module, recipe.device_type, recipe.dtype, root=module is root
+                module,
+                recipe.device_type,
+                recipe.dtype,
+                root=module is root,
+                under_fast_path=any(isinstance(m, FAST_PATH_MODULES) for _, m in scopes[:-1]),
             )
     root.__dict__[CONVERSION_ATTR] = Conversion(recipe, static_plan(root, recipe))
     root.__dict__["extra_repr"] = ExtraRepr(root, f"mixprec: {recipe.describe()}")
