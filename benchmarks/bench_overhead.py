@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -65,10 +66,10 @@ def _transformers_model(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
 
     ids = torch.randint(0, 64, (1, 8))
     if name == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=4, n_head=2)
-        return tf.GPT2LMHeadModel(cfg), {"input_ids": ids}
+        gpt2 = tf.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=4, n_head=2)
+        return tf.GPT2LMHeadModel(gpt2), {"input_ids": ids}
     if name == "bert":
-        cfg = tf.BertConfig(
+        bert = tf.BertConfig(
             vocab_size=64,
             hidden_size=16,
             num_hidden_layers=4,
@@ -76,17 +77,16 @@ def _transformers_model(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
             intermediate_size=32,
             max_position_embeddings=32,
         )
-        return tf.BertModel(cfg), {"input_ids": ids}
-    cfg = tf.T5Config(
+        return tf.BertModel(bert), {"input_ids": ids}
+    t5 = tf.T5Config(
         vocab_size=64,
         d_model=16,
         d_kv=8,
         d_ff=32,
         num_layers=4,
         num_heads=2,
-        decoder_start_token_id=0,
     )
-    return tf.T5Model(cfg), {"input_ids": ids, "decoder_input_ids": ids}
+    return tf.T5Model(t5), {"input_ids": ids, "decoder_input_ids": ids}
 
 
 def build(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
@@ -114,6 +114,10 @@ def _first_tensor(out: Any) -> torch.Tensor:
     return None  # type: ignore[return-value]
 
 
+def _call(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    return _first_tensor(model(**inputs))
+
+
 def callers(
     model: nn.Module, inputs: dict[str, torch.Tensor]
 ) -> dict[str, Callable[[], torch.Tensor]]:
@@ -133,7 +137,7 @@ def callers(
     }
     for level in LEVELS:
         converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
-        found[level] = lambda converted=converted: _first_tensor(converted(**inputs))
+        found[level] = functools.partial(_call, converted, inputs)
     return found
 
 

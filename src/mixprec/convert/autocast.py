@@ -1,7 +1,7 @@
 """The autocast level as ``torch.autocast`` itself: the user's code, torch's decisions.
 
-With the default lists on CPU or CUDA the level's decision for every op is the one
-``torch.autocast`` makes (the lists reproduce it op by op), so a converted model runs its
+The level's decision for every op is the one ``torch.autocast`` makes on CPU and CUDA (its
+lists, :mod:`mixprec.policy.lists`, reproduce it op by op), so a converted model runs its
 own, unchanged ``forward`` inside ``torch.autocast(device_type, dtype)``: nothing is
 traced, nothing is snapshotted, and the host cost per op is torch's own (C++, no Python
 per op). Each module's ``forward`` (set on the instance) is one of:
@@ -35,22 +35,9 @@ from mixprec.convert.runtime import ForwardBase, RuntimeForward, any_nested, sta
 from mixprec.convert.structure import CONVERSION_ATTR, structural_copy
 from mixprec.policy import lists
 from mixprec.policy.dtypes import dtype_name, is_castable
-from mixprec.policy.levels import Level, Precision, Recipe
+from mixprec.policy.levels import Precision, Recipe
 
-__all__ = ["AutocastForward", "Fp32Forward", "convert_autocast", "runs_as_torch_autocast"]
-
-
-def runs_as_torch_autocast(recipe: Recipe) -> bool:
-    """Does ``torch.autocast`` make exactly this recipe's decisions? (The autocast level
-    with the default lists of a device torch.autocast covers.)"""
-    if recipe.level is not Level.AUTOCAST or recipe.device_type not in ("cpu", "cuda"):
-        return False
-    cuda = recipe.device_type == "cuda"
-    return (
-        recipe.low_ops == (lists.CUDA_LOWER_OPS if cuda else lists.CPU_LOWER_OPS)
-        and recipe.fp32_ops == (lists.CUDA_FP32_OPS if cuda else lists.CPU_FP32_OPS)
-        and recipe.promote_ops == (lists.CUDA_PROMOTE_OPS if cuda else lists.CPU_PROMOTE_OPS)
-    )
+__all__ = ["AutocastForward", "Fp32Forward", "convert_autocast"]
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
