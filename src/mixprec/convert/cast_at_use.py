@@ -22,22 +22,23 @@ conversion runs**, in the thread that runs it:
    ``baddbmm``, ``einsum``, attention, ...) computes in the low dtype; every other op
    follows PyTorch's type promotion (float32 wins), never a dtype error.
 
-The default casts afresh on each outermost call, so every write is seen.
-:func:`reuse_weight_casts` is the opt-in inference cache.
+Weights are cast afresh on each outermost call (once per weight), so every write to a
+Parameter (in place, ``.data``, ``load_state_dict``, a fused optimizer that bumps no
+version counter) is what the next call computes with: there is no cast cache across
+calls, because no cheap check could tell a cached cast is still exact.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import threading
 import types
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -52,13 +53,9 @@ __all__ = [
     "MixedOperands",
     "ModuleCall",
     "low_precision_parameters",
-    "reuse_weight_casts",
 ]
 
 _LOWER_OPS = lists.CPU_LOWER_OPS | lists.CUDA_LOWER_OPS
-
-# a cache entry: (weak reference to the stored tensor, (version, data pointer), its cast)
-_Entry = tuple["weakref.ref[torch.Tensor]", tuple[int, int], torch.Tensor]
 
 
 def _tracing() -> bool:
@@ -75,6 +72,14 @@ def _version(tensor: torch.Tensor) -> int:
         return -1
 
 
+def write_back(stored: torch.Tensor, low: torch.Tensor) -> None:
+    """A write the forward made into ``low`` (a cast of ``stored``) made into ``stored``:
+    the elements it changed take the written value, the others keep their own bits."""
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        before = stored.to(low.dtype)
+        stored.copy_(torch.where(low != before, low.to(stored.dtype), stored))
+
+
 class _Frame:
     """One thread's outermost running call of a conversion: its casts and its mode."""
 
@@ -82,7 +87,8 @@ class _Frame:
 
     def __init__(self, mode: MixedOperands) -> None:
         self.depth = 0
-        self.casts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(stored) -> (stored, its cast, the cast's version when made)
+        self.casts: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.mode = mode
 
 
@@ -98,8 +104,6 @@ class CastState:
         self._local = threading.local()
         # this thread's frame exists from the start, so a compiled caller sees one state
         self._local.frame = _Frame(MixedOperands(dtype))
-        # the opt-in cache across calls (reuse_weight_casts); None: cast on every call
-        self.reused: dict[int, _Entry] | None = None
 
     def __reduce__(self) -> tuple[type[CastState], tuple[torch.dtype]]:
         return (CastState, (self.dtype,))
@@ -123,8 +127,13 @@ class CastState:
     def exit(self, frame: _Frame) -> None:
         frame.depth -= 1
         if frame.depth == 0:
-            frame.casts.clear()
-            frame.mode.__exit__(None, None, None)
+            try:
+                for stored, low, version in frame.casts.values():
+                    if low is not stored and _version(low) != version:
+                        write_back(stored, low)  # the forward wrote into ``self.weight``
+            finally:
+                frame.casts.clear()
+                frame.mode.__exit__(None, None, None)
 
     def low(self, tensor: torch.Tensor, frame: _Frame) -> torch.Tensor:
         """``tensor`` in the low dtype, cast once per outermost call."""
@@ -135,21 +144,8 @@ class CastState:
         with torch._C.DisableTorchFunction():
             low = tensor
             if tensor.dtype != self.dtype and is_castable(tensor):
-                reused = self._reused(tensor)
-                low = tensor.to(self.dtype) if reused is None else reused
-        frame.casts[id(tensor)] = (tensor, low)
-        return low
-
-    def _reused(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        reused = self.reused
-        if reused is None or (torch.is_grad_enabled() and tensor.requires_grad):
-            return None  # a cast that autograd must see is never reused
-        key = (_version(tensor), tensor.data_ptr())
-        hit = reused.get(id(tensor))
-        if hit is not None and hit[0]() is tensor and hit[1] == key:
-            return hit[2]
-        low = tensor.detach().to(self.dtype)
-        reused[id(tensor)] = (weakref.ref(tensor), key, low)
+                low = tensor.to(self.dtype)
+        frame.casts[id(tensor)] = (tensor, low, _version(low))
         return low
 
 
@@ -269,8 +265,16 @@ class ModuleCall:
         return code if isinstance(code, types.CodeType) else type(self).__call__.__code__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        given: list[Any] = []
         if self.root:
+            given = pytree.tree_leaves((args, kwargs))
             args, kwargs = cast_tree((args, kwargs), self.state.dtype)
+            if not _tracing():
+                given = [
+                    (leaf, cast, _version(cast))
+                    for leaf, cast in zip(given, pytree.tree_leaves((args, kwargs)), strict=False)
+                    if isinstance(leaf, torch.Tensor) and cast is not leaf
+                ]
         if _tracing():
             out = self._run(args, kwargs)
         else:
@@ -279,6 +283,9 @@ class ModuleCall:
                 out = self._run(args, kwargs)
             finally:
                 self.state.exit(frame)
+            for leaf, cast, version in given:
+                if _version(cast) != version:  # the forward wrote into a caller's tensor
+                    write_back(leaf, cast)
         return out if self.output_dtype is None else cast_tree(out, self.output_dtype)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -330,34 +337,3 @@ def low_precision_parameters(converted: nn.Module) -> list[LowParameter]:
             f"converted must be a module converted at O2 or O3; got {type(converted).__name__}"
         )
     return found
-
-
-@contextlib.contextmanager
-def reuse_weight_casts(converted: nn.Module) -> Iterator[None]:
-    """Opt-in inference cache: inside the block, weight casts are kept across calls.
-
-    A cast is reused until its weight's version counter or storage changes (in-place
-    updates, ``load_state_dict``); a write through ``.data`` does not bump the version
-    counter and is NOT seen, which is why the default casts on every call. Casts autograd
-    must record (gradients on and a weight that requires them) are never reused.
-
-    Example:
-        >>> with torch.no_grad(), reuse_weight_casts(fast):
-        ...     outputs = [fast(batch) for batch in batches]  # weights cast once
-    """
-    states = {
-        id(call.state): call.state
-        for module in converted.modules()
-        if isinstance(call := module.__dict__.get("forward"), ModuleCall)
-    }
-    if not states:
-        raise TypeError(
-            f"converted must be a module converted at O2 or O3; got {type(converted).__name__}"
-        )
-    for state in states.values():
-        state.reused = {}
-    try:
-        yield
-    finally:
-        for state in states.values():
-            state.reused = None
