@@ -83,13 +83,14 @@ def write_back(stored: torch.Tensor, low: torch.Tensor) -> None:
 class _Frame:
     """One thread's outermost running call of a conversion: its casts and its mode."""
 
-    __slots__ = ("casts", "depth", "mode")
+    __slots__ = ("casts", "depth", "extra", "mode")
 
     def __init__(self, mode: MixedOperands) -> None:
         self.depth = 0
         # id(stored) -> (stored, its cast, the cast's version when made)
         self.casts: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.mode = mode
+        self.extra: TorchFunctionMode | None = None  # the emulation mode, when emulated
 
 
 class CastState:
@@ -104,9 +105,11 @@ class CastState:
         self._local = threading.local()
         # this thread's frame exists from the start, so a compiled caller sees one state
         self._local.frame = _Frame(MixedOperands(dtype))
+        # makes the mode an emulated conversion's calls run under (emulate=True)
+        self.emulation: Callable[[], TorchFunctionMode] | None = None
 
-    def __reduce__(self) -> tuple[type[CastState], tuple[torch.dtype]]:
-        return (CastState, (self.dtype,))
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (CastState, (self.dtype,), {"emulation": self.emulation})
 
     def frame(self) -> _Frame | None:
         """This thread's running call, or None outside every call."""
@@ -122,6 +125,10 @@ class CastState:
         frame.depth += 1
         if frame.depth == 1:
             frame.mode.__enter__()
+            extra = self.emulation
+            if extra is not None:
+                frame.extra = extra()
+                frame.extra.__enter__()
         return frame
 
     def exit(self, frame: _Frame) -> None:
@@ -133,6 +140,9 @@ class CastState:
                         write_back(stored, low)  # the forward wrote into ``self.weight``
             finally:
                 frame.casts.clear()
+                if frame.extra is not None:
+                    frame.extra.__exit__(None, None, None)
+                    frame.extra = None
                 frame.mode.__exit__(None, None, None)
 
     def low(self, tensor: torch.Tensor, frame: _Frame) -> torch.Tensor:
