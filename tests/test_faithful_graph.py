@@ -133,8 +133,8 @@ def test_custom_autograd_function_keeps_its_backward(level: str, dtype: str) -> 
     converted(x).float().sum().backward()
     converted_grad = model.fc.bias.grad.clone()
     torch.testing.assert_close(converted_grad, -torch.full((4,), 2.0), rtol=0, atol=0)
-    reason = amp.explain(converted).runtime()[""]
-    assert "gradients off" in reason
+    if level == "O1":
+        assert "gradients off" in amp.explain(converted).runtime()[""]
 
 
 @every

@@ -151,10 +151,13 @@ def test_untraceable_module_matches_its_traceable_twin(level: str) -> None:
     x = torch.rand(2, 3, 6, 6) + 0.1  # mean > 0: the first branch
     a = amp.auto_mixed_precision(branchy, level, "bf16")
     b = amp.auto_mixed_precision(straight, level, "bf16")
-    assert amp.explain(a).runtime_parts == ("",)
-    assert "data-dependent control flow" in amp.explain(a).runtime()[""]
     assert amp.explain(b).runtime_parts == ()
-    assert isinstance(a.conv_a.__dict__["forward"], GraphForward)  # children still graphs
+    if level == "O1":
+        assert amp.explain(a).runtime_parts == ("",)
+        assert "data-dependent control flow" in amp.explain(a).runtime()[""]
+        assert isinstance(a.conv_a.__dict__["forward"], GraphForward)  # children still graphs
+    else:  # the model's own code runs under torch.autocast: branches are just Python
+        assert amp.explain(a).runtime_parts == ()
     out_a, out_b = a(x), b(x)
     assert out_a.dtype == out_b.dtype
     torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
@@ -222,19 +225,17 @@ def _models() -> list[tuple[str, nn.Module, torch.Tensor]]:
 
 
 @pytest.mark.parametrize(("name", "model", "x"), _models(), ids=[m[0] for m in _models()])
-def test_autocast_level_casts_no_more_than_torch_autocast(
+def test_autocast_level_casts_as_torch_autocast(
     name: str, model: nn.Module, x: torch.Tensor
 ) -> None:
     converted = amp.auto_mixed_precision(model, "autocast", "bf16")
     ours, our_count = count_casts(converted, x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         theirs, their_count = count_casts(model, x)
-    assert our_count.total <= their_count.total
+    # the level runs the model under torch.autocast itself: the same casts, the same result
+    assert our_count.total == their_count.total
     assert ours.dtype == theirs.dtype
-    torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2)
-    plan = amp.explain(converted)
-    if not plan.runtime_parts:  # the casts of ops decided at run time are not planned
-        assert plan.num_casts == our_count.total
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("name", "model", "x"), _models(), ids=[m[0] for m in _models()])
@@ -283,12 +284,9 @@ def test_an_activation_feeding_q_k_v_is_cast_once() -> None:
     _, ours = count_casts(converted, x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, theirs = count_casts(model, x)
-    assert amp.explain(converted).num_casts == 1 + 6  # x once, three weights, three biases
-    assert sum(1 for c in _casts(converted) if c.args[0].name == "mul") == 1
-    assert all(len(_casts(lin)) == 3 for lin in (converted.q, converted.k, converted.v))
-    # torch.autocast casts x once per projection (the attention kernel's own internal
-    # casts are in both counts)
-    assert theirs.total - ours.total == 2
+    # the level is torch.autocast itself: x is cast once per projection, as there
+    assert ours.total == theirs.total
+    assert amp.explain(converted).num_casts == 6  # the static view: three weights, three biases
 
 
 # ------------------------------------------------------- autocast level vs torch.autocast
@@ -418,8 +416,9 @@ def test_everything_model(level: str) -> None:
     units = {row.path for row in plan.rows if row.kind is RowKind.UNIT}
     assert {"attn", "lstm", "gru"} <= units
     shared_casts = [c for row in plan.rows for c in row.casts_before if c.value == "shared.weight"]
-    # the shared block is called twice, its hooks fire twice, its weight is cast per call
-    assert len(shared_casts) == 2
+    # the shared block is called twice, its hooks fire twice; O1 casts its weight per call,
+    # torch.autocast once per forward (its cast cache)
+    assert len(shared_casts) == (2 if level == "O1" else 1)
 
 
 def test_print_deepcopy_pickle_state_dict() -> None:
@@ -568,7 +567,7 @@ class Masked(nn.Module):
         return self.l2(h)
 
 
-@pytest.mark.parametrize("level", ["O1", "autocast"])
+@pytest.mark.parametrize("level", ["O1"])  # the autocast level keeps no graphs
 def test_a_call_with_other_arguments_gets_its_own_specialisation(level: str) -> None:
     torch.manual_seed(0)
     model = Masked()
@@ -692,7 +691,12 @@ def test_transposed_weights_are_cast() -> None:
         converted = amp.auto_mixed_precision(model, level, "bf16")
         out, counter = count_casts(converted, ids)
         assert rel_error(out.float(), model(ids)) < BF16_TOL
-        assert counter.total == amp.explain(converted, ids).num_casts
+        if level == "O1":
+            assert counter.total == amp.explain(converted, ids).num_casts
+        else:
+            with torch.autocast("cpu", torch.bfloat16):
+                _, theirs = count_casts(model, ids)
+            assert counter.total == theirs.total
 
 
 def test_dataclass_outputs_are_fp32() -> None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mixprec._warn import warn
+from mixprec.convert.autocast import convert_autocast
 from mixprec.convert.emulate import install_emulation
 from mixprec.convert.graph import convert_graph
 from mixprec.convert.module_level import convert_module_level
@@ -80,7 +81,7 @@ def auto_mixed_precision(
         network: the model; it is not modified, and the result shares its Parameters.
         amp_level: ``"O0"`` (unchanged), ``"O1"`` (white-list ops low, the rest float32),
             ``"O2"`` (everything low but the black-list norms), ``"O3"`` (everything low),
-            ``"autocast"`` (per-op lists, decided ahead of time, like ``torch.autocast``)
+            ``"autocast"`` (your code under ``torch.autocast``, pins kept)
             or ``"auto"`` (the recommendation for the model's device).
         dtype: ``torch.float16``/``torch.bfloat16`` or ``"fp16"``, ``"bf16"``, ...;
             None for the device's usual low-precision type.
@@ -97,8 +98,8 @@ def auto_mixed_precision(
     Returns:
         The converted model (the network itself for O0): a module of the original's
         class sharing its Parameters, with its hooks, methods and modes; each module's
-        ``forward`` shows what it does (at O1/autocast, ``module.forward.code`` is the
-        module's own graph with its casts). :func:`mixprec.explain` gives the cast plan.
+        ``forward`` shows what it does (at O1, ``module.forward.code`` is the module's own
+        graph with its casts). :func:`mixprec.explain` gives the cast plan.
 
     Raises:
         TypeError: ``network`` is not a module; a pin is malformed.
@@ -154,6 +155,8 @@ def convert(network: nn.Module, recipe: Recipe, *, emulate: bool = False) -> nn.
         warn_if_slow(recipe.dtype, device_of(network))
     if recipe.level in (Level.O2, Level.O3):
         converted = convert_module_level(network, recipe)
+    elif recipe.level is Level.AUTOCAST:
+        converted = convert_autocast(network, recipe)
     else:
         converted = convert_graph(network, recipe)
     return install_emulation(converted, recipe.dtype) if emulate else converted

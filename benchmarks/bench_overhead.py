@@ -1,0 +1,194 @@
+"""Host time per forward (and forward+backward) of tiny models, every level vs torch.autocast.
+
+The models are so small (4 layers, width 16, batch 1, 8 tokens) that compute is
+negligible: what is timed is the host (Python and dispatcher) time per call, the regime a
+GPU's launch-bound workloads see (small models, ``generate()`` decoding). Every column is
+timed in interleaved rounds (one call of each per round, in turn) and reported as the
+median, as a ratio to ``torch.autocast("cpu", torch.bfloat16)`` on the original model;
+"bf16 model" is the model with its parameters in bf16 and no autocast.
+
+Run: python benchmarks/bench_overhead.py [--quick] [--models gpt2,bert,t5,resnet]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import mixprec as amp
+
+LEVELS = ("O1", "autocast", "O2", "O3")
+
+
+class _Block(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + x)
+
+
+class TinyResNet(nn.Module):
+    """A ResNet-like CNN: stem, four residual blocks, pooling, a linear head."""
+
+    def __init__(self, channels: int = 4, blocks: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.layers = nn.Sequential(*[_Block(channels) for _ in range(blocks)])
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
+
+
+def _transformers_model(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    import transformers as tf
+
+    ids = torch.randint(0, 64, (1, 8))
+    if name == "gpt2":
+        gpt2 = tf.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=4, n_head=2)
+        return tf.GPT2LMHeadModel(gpt2), {"input_ids": ids}
+    if name == "bert":
+        bert = tf.BertConfig(
+            vocab_size=64,
+            hidden_size=16,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=32,
+        )
+        return tf.BertModel(bert), {"input_ids": ids}
+    t5 = tf.T5Config(
+        vocab_size=64,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=4,
+        num_heads=2,
+    )
+    return tf.T5Model(t5), {"input_ids": ids, "decoder_input_ids": ids}
+
+
+def build(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A tiny model (random weights, dropout off) and its inputs."""
+    torch.manual_seed(0)
+    if name == "resnet":
+        return TinyResNet(), {"x": torch.randn(1, 3, 8, 8)}
+    model, inputs = _transformers_model(name)
+    for module in model.modules():  # dropout off, but training mode (backward is timed)
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model, inputs
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        for item in out:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None  # type: ignore[return-value]
+
+
+def _call(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    return _first_tensor(model(**inputs))
+
+
+def callers(
+    model: nn.Module, inputs: dict[str, torch.Tensor]
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """One zero-argument call per column (the forward's first tensor output)."""
+
+    def autocast_call() -> torch.Tensor:
+        with torch.autocast("cpu", torch.bfloat16):
+            return _first_tensor(model(**inputs))
+
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    low_inputs = {
+        k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()
+    }
+    found: dict[str, Callable[[], torch.Tensor]] = {
+        "torch.autocast": autocast_call,
+        "bf16 model": lambda: _first_tensor(low(**low_inputs)),
+    }
+    for level in LEVELS:
+        converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+        found[level] = functools.partial(_call, converted, inputs)
+    return found
+
+
+def time_rounds(
+    calls: dict[str, Callable[[], torch.Tensor]], rounds: int, backward: bool
+) -> dict[str, float]:
+    """Median seconds per call of each, measured in interleaved rounds."""
+    grad = torch.enable_grad if backward else torch.no_grad
+
+    def once(call: Callable[[], torch.Tensor]) -> float:
+        start = time.perf_counter()
+        with grad():
+            out = call()
+            if backward:
+                out.float().sum().backward()
+        return time.perf_counter() - start
+
+    for call in calls.values():  # warm up (first-call work, allocator)
+        for _ in range(3):
+            once(call)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times[name].append(once(call))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
+    parser.add_argument("--models", default="gpt2,bert,t5,resnet")
+    parser.add_argument("--rounds", type=int, default=None)
+    args = parser.parse_args()
+    rounds = args.rounds or (5 if args.quick else 40)
+    torch.set_num_threads(1)
+    names = ("torch.autocast", "bf16 model", *LEVELS)
+    print(f"host time per call, ratio to torch.autocast (median of {rounds} interleaved rounds)")
+    print(
+        f"{'model':8s} {'pass':8s} {'torch.autocast':>14s}"
+        + "".join(f"{n:>11s}" for n in names[1:])
+    )
+    for model_name in args.models.split(","):
+        model, inputs = build(model_name)
+        calls = callers(model, inputs)
+        for backward in (False, True):
+            med = time_rounds(calls, rounds, backward)
+            base = med["torch.autocast"]
+            row = f"{model_name:8s} {'fwd+bwd' if backward else 'fwd':8s} {base * 1e3:11.2f} ms"
+            row += "".join(f"{med[n] / base:10.2f}x" for n in names[1:])
+            print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
