@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -525,3 +526,38 @@ def test_fused_optimizer_updates_are_what_the_next_forward_uses(level: str, dtyp
     assert torch.equal(converted(x), reference(x))
     direct = converted.net[0](x)  # a submodule called directly: current weights too
     assert torch.equal(direct, reference.net[0](x))
+
+
+class _Recording(nn.Linear):
+    seen: list[torch.dtype]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        self.seen.append(out.dtype)  # what it computed in (before any cast back)
+        return out
+
+
+class _PinnedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+        self.head = _Recording(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.body(x)))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_float32_islands_hold_inside_an_outer_autocast_which_warns_once(level: str) -> None:
+    converted = amp.auto_mixed_precision(_PinnedHead(), level, "bf16", fp32_modules=["head"])
+    converted.head.seen = []
+    x = torch.randn(3, 4)
+    warned = pytest.warns(UserWarning, match="runs under an outer torch.autocast")
+    with warned, torch.autocast("cpu", torch.bfloat16):
+        converted(x)
+    assert converted.head.seen == [torch.float32]  # the pin holds: autocast is off inside it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", torch.bfloat16):
+            converted(x)  # once per conversion

@@ -30,6 +30,7 @@ calls, because no cheap check could tell a cached cast is still exact.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
@@ -42,6 +43,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from mixprec._warn import warn
 from mixprec.policy import lists
 from mixprec.policy.dtypes import is_castable
 from mixprec.policy.ops import cast_tree, op_name
@@ -56,6 +58,7 @@ __all__ = [
 ]
 
 _LOWER_OPS = lists.CPU_LOWER_OPS | lists.CUDA_LOWER_OPS
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def _tracing() -> bool:
@@ -107,6 +110,7 @@ class CastState:
         self._local.frame = _Frame(MixedOperands(dtype))
         # makes the mode an emulated conversion's calls run under (emulate=True)
         self.emulation: Callable[[], TorchFunctionMode] | None = None
+        self.warned = False  # the outer-autocast warning, once per conversion
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (CastState, (self.dtype,), {"emulation": self.emulation})
@@ -254,11 +258,13 @@ class ModuleCall:
         *,
         root: bool = False,
         output_dtype: torch.dtype | None = None,
+        float32: bool = False,
     ) -> None:
         self.module = module
         self.state = state
         self.root = root
         self.output_dtype = output_dtype
+        self.float32 = float32  # a float32 island: an outer torch.autocast is off inside
         self.inner: Callable[..., Any] | None = module.__dict__.get("forward")
 
     @property
@@ -299,6 +305,23 @@ class ModuleCall:
         return out if self.output_dtype is None else cast_tree(out, self.output_dtype)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.root or self.float32:
+            outer = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+            if outer and self.root and not self.state.warned:
+                self.state.warned = True
+                warn(
+                    "mixprec: a converted model runs under an outer torch.autocast; its level "
+                    "decides what each module computes in, and its float32 modules (black-list "
+                    "norms, fp32_modules pins) run with the outer autocast off"
+                )
+            if outer and self.float32:
+                with contextlib.ExitStack() as stack:
+                    for device in outer:
+                        stack.enter_context(torch.autocast(device, enabled=False))
+                    return self._own(args, kwargs)
+        return self._own(args, kwargs)
+
+    def _own(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.inner is not None:
             return self.inner(*args, **kwargs)
         module = self.module

@@ -160,7 +160,8 @@ def convert_module_level(
                 hook = functools.partial(_cast_inputs_hook, low)
                 module.register_forward_pre_hook(hook, with_kwargs=True)
         if module is not root:
-            set_forward(module, ModuleCall(module, state))
+            island = precision is Precision.FP32
+            set_forward(module, ModuleCall(module, state, float32=island))
         if cast_here:
             rows.append(
                 PlanRow.make(
@@ -188,7 +189,8 @@ def convert_module_level(
                 kind=RowKind.OUTPUTS,
             )
         )
-    set_forward(root, ModuleCall(root, state, root=True, output_dtype=output_dtype))
+    pinned = _precision(recipe, root, prefix, Precision.LOW) is Precision.FP32
+    set_forward(root, ModuleCall(root, state, root=True, output_dtype=output_dtype, float32=pinned))
     plan = CastPlan(level=recipe.level.value, dtype=dtype_name(low), rows=tuple(rows))
     root.__dict__[CONVERSION_ATTR] = Conversion(recipe, plan)
     add_repr_note(root, f"mixprec: {recipe.describe()}")
