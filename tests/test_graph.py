@@ -7,6 +7,7 @@ import io
 import operator
 import pickle
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -743,3 +744,16 @@ def test_recurrent_unit_tuple_output_is_cast_where_used() -> None:
     # never cast, and the sequence reaches the head without a float32 round trip
     assert counter.casts == {(torch.float32, torch.bfloat16): 7, (torch.bfloat16, torch.float32): 1}
     assert rel_error(out, model(x)) < BF16_TOL
+
+
+def test_decision_tables_are_shared_between_parts_of_one_conversion() -> None:
+    from mixprec.convert.runtime import decision_table
+    from mixprec.policy.levels import resolve
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    recipe = resolve(model, "O1", "bf16")
+    cache: dict[Any, Any] = {}
+    first = decision_table(recipe, (("", model),), cache=cache)
+    again = decision_table(recipe, (("", model), ("1", model[1])), cache=cache)
+    assert again[0] is first[0]
+    assert len(cache) == 1

@@ -87,8 +87,8 @@ def decision_table(
 
     default = decide(_UNLISTED)
     table: dict[Any, Precision] = {}
-    for func, key, in_place in _torch_functions():
-        precision = Precision.FOLLOW if in_place else decide(key)
+    for func, op, in_place in _torch_functions():
+        precision = Precision.FOLLOW if in_place else decide(op)
         if precision is not default:
             table[func] = precision
     for func in recipe.leaf_functions:
