@@ -256,3 +256,61 @@ def test_emulation_does_not_warn_that_the_dtype_is_slow(monkeypatch: pytest.Monk
         amp.auto_mixed_precision(TinyMLP(), "O2", "bf16", emulate=True)
     with pytest.warns(UserWarning, match="bfloat16"):
         amp.auto_mixed_precision(TinyMLP(), "O2", "bf16")
+
+
+# ------------------------------------------------------------------ layering on a conversion
+
+
+@pytest.mark.parametrize("level", ["O1", "autocast", "O2", "O3"])
+def test_emulation_keeps_the_level_in_the_repr(level: str) -> None:
+    net = amp.auto_mixed_precision(nn.Linear(4, 4), level, "bf16", emulate=True)
+    text = repr(net)
+    assert f"mixprec: level={level}, dtype=bfloat16" in text
+    assert "emulated=bfloat16" in text
+    assert "in_features=4" in text
+
+
+class _Interrupted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fc(x)
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_an_interrupt_inside_forward_leaves_no_mode_on_the_stack(level: str) -> None:
+    from torch.overrides import _get_current_function_mode_stack
+
+    net = amp.auto_mixed_precision(_Interrupted(), level, "bf16", emulate=True)
+    before = len(_get_current_function_mode_stack())
+    with pytest.raises(KeyboardInterrupt):
+        net(torch.randn(2, 4))
+    assert len(_get_current_function_mode_stack()) == before
+    assert torch.randn(2, 2).bfloat16() @ torch.randn(2, 2).bfloat16() is not None
+
+
+class _Foreign(torch.Tensor):
+    """A tensor subclass with its own dispatch (as torchao's Float8 tensors and DTensor)."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        cls.calls += 1
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def test_emulation_leaves_gemms_on_foreign_tensor_subclasses_alone() -> None:
+    from mixprec.convert.emulate import emulating
+
+    weight = torch.randn(4, 4).bfloat16().as_subclass(_Foreign)
+    x = torch.randn(2, 4).bfloat16()
+    with CastCounter() as counter, emulating():
+        out = torch.nn.functional.linear(x, weight)
+    assert counter.total == 0  # not upcast: the subclass's own GEMM ran
+    assert out.dtype == torch.bfloat16
+    assert _Foreign.calls > 0

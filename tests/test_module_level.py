@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -13,7 +14,6 @@ from torch import nn
 
 import mixprec as amp
 from helpers import MLP, CastCounter, SmallCNN, TinyTransformer, count_casts, rel_error
-from mixprec.convert.cast_at_use import reuse_weight_casts
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 LEVELS = ["O2", "O3"]
@@ -158,34 +158,6 @@ def test_every_call_casts_afresh_so_data_writes_are_seen() -> None:
     assert c1.total == c2.total == 8
     assert torch.equal(first, second)
     assert not torch.equal(third, second)
-
-
-def test_opt_in_inference_cache_reuses_casts_until_weights_change() -> None:
-    model = MLP()
-    converted = amp.auto_mixed_precision(model, "O2", "bf16")
-    x = torch.randn(4, 16)
-    with torch.no_grad(), reuse_weight_casts(converted):
-        first, c1 = count_casts(converted, x)
-        second, c2 = count_casts(converted, x)
-        assert c1.total == 8
-        assert c2.total == 2  # only the input and the output: weights come from the cache
-        assert torch.equal(first, second)
-        model.net[0].weight.mul_(2.0)  # an in-place update invalidates that weight's cast
-        third, c3 = count_casts(converted, x)
-    assert c3.total == 3
-    assert not torch.equal(third, second)
-    with reuse_weight_casts(converted):
-        # with gradients on, weights are cast fresh (they must be part of the autograd graph)
-        _, c4 = count_casts(converted, x)
-    assert c4.total == 8
-    with torch.no_grad():
-        _, c5 = count_casts(converted, x)  # the block is over: no cache
-    assert c5.total == 8
-    with (
-        pytest.raises(TypeError, match="converted must be a module converted at O2 or O3"),
-        reuse_weight_casts(MLP()),
-    ):
-        pass
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -489,3 +461,103 @@ def test_counters_and_emas_in_buffers_keep_fp32_precision(level: str) -> None:
     # summed in bfloat16 the EMA would stop moving (0.999 * ema rounds back to ema)
     torch.testing.assert_close(model.ema, reference.ema, rtol=2e-3, atol=0)
     assert model.ema.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ writes reach the masters
+
+
+class _WritesCaller(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        state.add_(1.0)  # an in-place update of a tensor the caller passed
+        return self.fc(x)
+
+
+class _WritesOwnWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.fc.weight[0].fill_(0.5)  # an in-place write to a weight inside forward
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_forward_that_writes_a_callers_tensor_writes_the_callers_tensor(
+    level: str, dtype: str
+) -> None:
+    converted = amp.auto_mixed_precision(_WritesCaller(), level, dtype)
+    state = torch.zeros(3)
+    converted(torch.randn(2, 4), state)
+    converted(torch.randn(2, 4), state)
+    assert state.dtype == torch.float32
+    assert torch.equal(state, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_an_in_place_write_to_a_weight_inside_forward_is_kept(level: str, dtype: str) -> None:
+    model = _WritesOwnWeight()
+    untouched = model.fc.weight[1:].detach().clone()
+    converted = amp.auto_mixed_precision(model, level, dtype)
+    converted(torch.randn(2, 4))
+    assert torch.equal(model.fc.weight[0], torch.full((4,), 0.5))
+    assert torch.equal(model.fc.weight[1:], untouched)  # the rest keeps its float32 bits
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_fused_optimizer_updates_are_what_the_next_forward_uses(level: str, dtype: str) -> None:
+    """A fused optimizer writes the weights in one kernel; weights are cast afresh on
+    every call, so the next forward computes with the updated values."""
+    model = MLP()
+    converted = amp.auto_mixed_precision(model, level, dtype)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    x = torch.randn(4, 16)
+    converted(x).sum().backward()
+    optimizer.step()
+    reference = amp.auto_mixed_precision(model, level, dtype)  # a fresh conversion
+    assert torch.equal(converted(x), reference(x))
+    direct = converted.net[0](x)  # a submodule called directly: current weights too
+    assert torch.equal(direct, reference.net[0](x))
+
+
+class _Recording(nn.Linear):
+    seen: list[torch.dtype]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        self.seen.append(out.dtype)  # what it computed in (before any cast back)
+        return out
+
+
+class _PinnedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+        self.head = _Recording(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.body(x)))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_float32_islands_hold_inside_an_outer_autocast_which_warns_once(level: str) -> None:
+    converted = amp.auto_mixed_precision(_PinnedHead(), level, "bf16", fp32_modules=["head"])
+    converted.head.seen = []
+    x = torch.randn(3, 4)
+    warned = pytest.warns(UserWarning, match="runs under an outer torch.autocast")
+    with warned, torch.autocast("cpu", torch.bfloat16):
+        converted(x)
+    assert converted.head.seen == [torch.float32]  # the pin holds: autocast is off inside it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", torch.bfloat16):
+            converted(x)  # once per conversion

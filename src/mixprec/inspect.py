@@ -59,8 +59,12 @@ class CastCounter(TorchDispatchMode):
         if func is torch.ops.aten._to_copy.default:
             source = args[0]
             if isinstance(out, torch.Tensor) and out.dtype != source.dtype:
-                self.casts[(source.dtype, out.dtype)] += 1
+                self.record(source.dtype, out.dtype)
         return out
+
+    def record(self, source: torch.dtype, target: torch.dtype) -> None:
+        """Count one cast (a subclass may note more about it)."""
+        self.casts[(source, target)] += 1
 
     @property
     def total(self) -> int:

@@ -22,8 +22,10 @@ conversion runs**, in the thread that runs it:
    ``baddbmm``, ``einsum``, attention, ...) computes in the low dtype; every other op
    follows PyTorch's type promotion (float32 wins), never a dtype error.
 
-The default casts afresh on each outermost call, so every write is seen.
-:func:`reuse_weight_casts` is the opt-in inference cache.
+Weights are cast afresh on each outermost call (once per weight), so every write to a
+Parameter (in place, ``.data``, ``load_state_dict``, a fused optimizer that bumps no
+version counter) is what the next call computes with: there is no cast cache across
+calls, because no cheap check could tell a cached cast is still exact.
 """
 
 from __future__ import annotations
@@ -33,14 +35,15 @@ import functools
 import inspect
 import threading
 import types
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from mixprec._warn import warn
 from mixprec.policy import lists
 from mixprec.policy.dtypes import is_castable
 from mixprec.policy.ops import cast_tree, op_name
@@ -52,13 +55,10 @@ __all__ = [
     "MixedOperands",
     "ModuleCall",
     "low_precision_parameters",
-    "reuse_weight_casts",
 ]
 
 _LOWER_OPS = lists.CPU_LOWER_OPS | lists.CUDA_LOWER_OPS
-
-# a cache entry: (weak reference to the stored tensor, (version, data pointer), its cast)
-_Entry = tuple["weakref.ref[torch.Tensor]", tuple[int, int], torch.Tensor]
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def _tracing() -> bool:
@@ -75,15 +75,25 @@ def _version(tensor: torch.Tensor) -> int:
         return -1
 
 
+def write_back(stored: torch.Tensor, low: torch.Tensor) -> None:
+    """A write the forward made into ``low`` (a cast of ``stored``) made into ``stored``:
+    the elements it changed take the written value, the others keep their own bits."""
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        before = stored.to(low.dtype)
+        stored.copy_(torch.where(low != before, low.to(stored.dtype), stored))
+
+
 class _Frame:
     """One thread's outermost running call of a conversion: its casts and its mode."""
 
-    __slots__ = ("casts", "depth", "mode")
+    __slots__ = ("casts", "depth", "extra", "mode")
 
     def __init__(self, mode: MixedOperands) -> None:
         self.depth = 0
-        self.casts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(stored) -> (stored, its cast, the cast's version when made)
+        self.casts: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.mode = mode
+        self.extra: TorchFunctionMode | None = None  # the emulation mode, when emulated
 
 
 class CastState:
@@ -98,11 +108,12 @@ class CastState:
         self._local = threading.local()
         # this thread's frame exists from the start, so a compiled caller sees one state
         self._local.frame = _Frame(MixedOperands(dtype))
-        # the opt-in cache across calls (reuse_weight_casts); None: cast on every call
-        self.reused: dict[int, _Entry] | None = None
+        # makes the mode an emulated conversion's calls run under (emulate=True)
+        self.emulation: Callable[[], TorchFunctionMode] | None = None
+        self.warned = False  # the outer-autocast warning, once per conversion
 
-    def __reduce__(self) -> tuple[type[CastState], tuple[torch.dtype]]:
-        return (CastState, (self.dtype,))
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (CastState, (self.dtype,), {"emulation": self.emulation})
 
     def frame(self) -> _Frame | None:
         """This thread's running call, or None outside every call."""
@@ -118,13 +129,25 @@ class CastState:
         frame.depth += 1
         if frame.depth == 1:
             frame.mode.__enter__()
+            extra = self.emulation
+            if extra is not None:
+                frame.extra = extra()
+                frame.extra.__enter__()
         return frame
 
     def exit(self, frame: _Frame) -> None:
         frame.depth -= 1
         if frame.depth == 0:
-            frame.casts.clear()
-            frame.mode.__exit__(None, None, None)
+            try:
+                for stored, low, version in frame.casts.values():
+                    if low is not stored and _version(low) != version:
+                        write_back(stored, low)  # the forward wrote into ``self.weight``
+            finally:
+                frame.casts.clear()
+                if frame.extra is not None:
+                    frame.extra.__exit__(None, None, None)
+                    frame.extra = None
+                frame.mode.__exit__(None, None, None)
 
     def low(self, tensor: torch.Tensor, frame: _Frame) -> torch.Tensor:
         """``tensor`` in the low dtype, cast once per outermost call."""
@@ -135,21 +158,8 @@ class CastState:
         with torch._C.DisableTorchFunction():
             low = tensor
             if tensor.dtype != self.dtype and is_castable(tensor):
-                reused = self._reused(tensor)
-                low = tensor.to(self.dtype) if reused is None else reused
-        frame.casts[id(tensor)] = (tensor, low)
-        return low
-
-    def _reused(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        reused = self.reused
-        if reused is None or (torch.is_grad_enabled() and tensor.requires_grad):
-            return None  # a cast that autograd must see is never reused
-        key = (_version(tensor), tensor.data_ptr())
-        hit = reused.get(id(tensor))
-        if hit is not None and hit[0]() is tensor and hit[1] == key:
-            return hit[2]
-        low = tensor.detach().to(self.dtype)
-        reused[id(tensor)] = (weakref.ref(tensor), key, low)
+                low = tensor.to(self.dtype)
+        frame.casts[id(tensor)] = (tensor, low, _version(low))
         return low
 
 
@@ -248,11 +258,13 @@ class ModuleCall:
         *,
         root: bool = False,
         output_dtype: torch.dtype | None = None,
+        float32: bool = False,
     ) -> None:
         self.module = module
         self.state = state
         self.root = root
         self.output_dtype = output_dtype
+        self.float32 = float32  # a float32 island: an outer torch.autocast is off inside
         self.inner: Callable[..., Any] | None = module.__dict__.get("forward")
 
     @property
@@ -269,8 +281,16 @@ class ModuleCall:
         return code if isinstance(code, types.CodeType) else type(self).__call__.__code__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        given: list[Any] = []
         if self.root:
+            given = pytree.tree_leaves((args, kwargs))
             args, kwargs = cast_tree((args, kwargs), self.state.dtype)
+            if not _tracing():
+                given = [
+                    (leaf, cast, _version(cast))
+                    for leaf, cast in zip(given, pytree.tree_leaves((args, kwargs)), strict=False)
+                    if isinstance(leaf, torch.Tensor) and cast is not leaf
+                ]
         if _tracing():
             out = self._run(args, kwargs)
         else:
@@ -279,9 +299,29 @@ class ModuleCall:
                 out = self._run(args, kwargs)
             finally:
                 self.state.exit(frame)
+            for leaf, cast, version in given:
+                if _version(cast) != version:  # the forward wrote into a caller's tensor
+                    write_back(leaf, cast)
         return out if self.output_dtype is None else cast_tree(out, self.output_dtype)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.root or self.float32:
+            outer = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+            if outer and self.root and not self.state.warned:
+                self.state.warned = True
+                warn(
+                    "mixprec: a converted model runs under an outer torch.autocast; its level "
+                    "decides what each module computes in, and its float32 modules (black-list "
+                    "norms, fp32_modules pins) run with the outer autocast off"
+                )
+            if outer and self.float32:
+                with contextlib.ExitStack() as stack:
+                    for device in outer:
+                        stack.enter_context(torch.autocast(device, enabled=False))
+                    return self._own(args, kwargs)
+        return self._own(args, kwargs)
+
+    def _own(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.inner is not None:
             return self.inner(*args, **kwargs)
         module = self.module
@@ -330,34 +370,3 @@ def low_precision_parameters(converted: nn.Module) -> list[LowParameter]:
             f"converted must be a module converted at O2 or O3; got {type(converted).__name__}"
         )
     return found
-
-
-@contextlib.contextmanager
-def reuse_weight_casts(converted: nn.Module) -> Iterator[None]:
-    """Opt-in inference cache: inside the block, weight casts are kept across calls.
-
-    A cast is reused until its weight's version counter or storage changes (in-place
-    updates, ``load_state_dict``); a write through ``.data`` does not bump the version
-    counter and is NOT seen, which is why the default casts on every call. Casts autograd
-    must record (gradients on and a weight that requires them) are never reused.
-
-    Example:
-        >>> with torch.no_grad(), reuse_weight_casts(fast):
-        ...     outputs = [fast(batch) for batch in batches]  # weights cast once
-    """
-    states = {
-        id(call.state): call.state
-        for module in converted.modules()
-        if isinstance(call := module.__dict__.get("forward"), ModuleCall)
-    }
-    if not states:
-        raise TypeError(
-            f"converted must be a module converted at O2 or O3; got {type(converted).__name__}"
-        )
-    for state in states.values():
-        state.reused = {}
-    try:
-        yield
-    finally:
-        for state in states.values():
-            state.reused = None

@@ -35,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,8 +45,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from mixprec.convert.cast_at_use import ModuleCall
 from mixprec.convert.plan import CastPlan, Conversion
-from mixprec.convert.structure import CONVERSION_ATTR, conversion_of
+from mixprec.convert.structure import CONVERSION_ATTR, add_repr_note, conversion_of
 from mixprec.policy.dtypes import dtype_name
 
 __all__ = [
@@ -228,6 +228,18 @@ def _down(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+_PLAIN = (
+    (torch.Tensor, nn.Parameter, nn.Buffer)
+    if hasattr(nn, "Buffer")
+    else (torch.Tensor, nn.Parameter)
+)
+
+
+def _plain(types: Any) -> bool:
+    """Only plain tensors take part (a tensor subclass keeps its own GEMMs)."""
+    return all(kind in _PLAIN for kind in types)
+
+
 class EmulationMode(TorchFunctionMode):
     """Runs the GEMM family in float32 on low-precision inputs, rounding the results.
 
@@ -254,6 +266,8 @@ class EmulationMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if not _plain(types):  # torchao Float8 tensors, DTensor, ...: their own dispatch
+            return func(*args, **kwargs)
         if func in EMULATED_FUNCTIONS:
             low = None if kwargs.get("out") is not None else _low_dtype(args, kwargs)
             if low is not None:
@@ -297,6 +311,10 @@ class _Emulation:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["dtype"])  # type: ignore[misc]
 
+    def mode(self) -> EmulationMode:
+        """A fresh mode for one outermost call (sharing this model's buffer pool)."""
+        return EmulationMode(self._pool)
+
     def enter(self, module: nn.Module, args: Any) -> None:
         local = self._local
         depth = getattr(local, "depth", 0)
@@ -314,12 +332,6 @@ class _Emulation:
         if depth == 1:
             mode, local.mode = local.mode, None
             mode.__exit__(None, None, None)
-
-
-def _extra_repr(module: nn.Module, dtype: torch.dtype) -> str:
-    own = type(module).extra_repr(module)
-    note = f"emulated={dtype_name(dtype)} (float32 kernels, results rounded)"
-    return f"{own}, {note}" if own else note
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,6 +377,10 @@ def install_emulation(network: nn.Module, dtype: torch.dtype) -> nn.Module:
     """
     emulation = _Emulation(dtype)
     for module in network.modules():
+        call = module.__dict__.get("forward")
+        if isinstance(call, ModuleCall):  # entered and left in the call's own try/finally
+            call.state.emulation = emulation.mode
+            continue
         module.register_forward_pre_hook(emulation.enter, prepend=True)
         module.register_forward_hook(emulation.leave, always_call=True)
     conversion = conversion_of(network)
@@ -374,7 +390,7 @@ def install_emulation(network: nn.Module, dtype: torch.dtype) -> nn.Module:
         network.__dict__[CONVERSION_ATTR] = dataclasses.replace(
             conversion, plan=plan, refresh=refresh
         )
-    network.extra_repr = functools.partial(_extra_repr, network, dtype)  # type: ignore[method-assign]
+    add_repr_note(network, f"emulated={dtype_name(dtype)} (float32 kernels, results rounded)")
     network.__dict__["_mixprec_emulation"] = emulation
     return network
 

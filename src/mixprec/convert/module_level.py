@@ -36,30 +36,20 @@ from torch.nn.utils import parametrize
 
 from mixprec.convert.cast_at_use import CastState, LowParameters, ModuleCall
 from mixprec.convert.plan import Cast, CastPlan, Conversion, PlanRow, RowKind, dtype_name
-from mixprec.convert.structure import CONVERSION_ATTR, structural_copy
+from mixprec.convert.structure import (
+    CONVERSION_ATTR,
+    ExtraRepr,
+    add_repr_note,
+    set_forward,
+    set_parameters,
+    structural_copy,
+)
 from mixprec.policy import lists
 from mixprec.policy.dtypes import is_castable
 from mixprec.policy.levels import Precision, Recipe
 from mixprec.policy.ops import cast_tree
 
 __all__ = ["ExtraRepr", "convert_module_level", "make_low_unit"]
-
-
-class ExtraRepr:
-    """``extra_repr`` of a converted module: the original class's, after ``text`` (the
-    level and dtype) when there is one."""
-
-    def __init__(self, module: nn.Module, text: str, cls: type[nn.Module] | None = None) -> None:
-        self.module = module
-        self.text = text
-        self.cls = type(module) if cls is None else cls
-
-    def __call__(self) -> str:
-        try:
-            own = self.cls.extra_repr(self.module)
-        except AttributeError:  # the original's extra_repr reads something the copy lacks
-            own = ""
-        return "\n".join(part for part in (self.text, own) if part)
 
 
 def _settled(values: Any, dtype: torch.dtype) -> bool:
@@ -165,12 +155,13 @@ def convert_module_level(
                 seen_tensors.add(id(tensor))
             if owned:
                 names = frozenset(name for name, _ in owned)
-                module.__dict__["_parameters"] = LowParameters(module._parameters, names, state)
+                set_parameters(module, LowParameters(module._parameters, names, state))
             if owned and module is not root and precision is parent:
                 hook = functools.partial(_cast_inputs_hook, low)
                 module.register_forward_pre_hook(hook, with_kwargs=True)
         if module is not root:
-            module.__dict__["forward"] = ModuleCall(module, state)
+            island = precision is Precision.FP32
+            set_forward(module, ModuleCall(module, state, float32=island))
         if cast_here:
             rows.append(
                 PlanRow.make(
@@ -198,10 +189,11 @@ def convert_module_level(
                 kind=RowKind.OUTPUTS,
             )
         )
-    root.__dict__["forward"] = ModuleCall(root, state, root=True, output_dtype=output_dtype)
+    pinned = _precision(recipe, root, prefix, Precision.LOW) is Precision.FP32
+    set_forward(root, ModuleCall(root, state, root=True, output_dtype=output_dtype, float32=pinned))
     plan = CastPlan(level=recipe.level.value, dtype=dtype_name(low), rows=tuple(rows))
     root.__dict__[CONVERSION_ATTR] = Conversion(recipe, plan)
-    root.__dict__["extra_repr"] = ExtraRepr(root, f"mixprec: {recipe.describe()}")
+    add_repr_note(root, f"mixprec: {recipe.describe()}")
     return root
 
 

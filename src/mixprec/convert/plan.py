@@ -4,6 +4,14 @@ A :class:`CastPlan` is computed when a model is converted, from the converted gr
 module tree), without running the model. It prints as an aligned table and converts to
 a dict. Where a count depends on the inputs, the plan assumes what a model is normally
 fed: one float32 tensor per floating input.
+
+Given example inputs, :func:`explain` is exact instead: it runs the converted model's
+own forward on fake tensors (``torch._subclasses.FakeTensorMode``: shapes and dtypes,
+no data, no kernels), every Parameter and buffer turned into a fake as it is read, and
+counts the casts with :class:`mixprec.inspect.CastCounter`, attributing each to the
+module running when it was made. Run-time parts and shared modules (counted per call)
+are measured like everything else, and nothing real is written: no Parameter, buffer,
+argument or random-number state changes.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ class RowKind(str, enum.Enum):
     OUTPUTS = "outputs"  # the floating outputs
     ISLAND = "island"  # module level: a module kept in another dtype
     WEIGHTS = "weights"  # module level: the weights a module casts at use
+    MEASURED = "measured"  # the casts a forward on fake tensors made inside a module
 
 
 class Cast(NamedTuple):
@@ -232,12 +241,16 @@ class Conversion:
 
 
 def explain(network: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> CastPlan:
-    """The cast plan of a network converted by mixprec, read without running it.
+    """The cast plan of a network converted by mixprec.
 
-    Without example inputs the counts assume each floating input is one float32 tensor.
-    With them (only their dtypes are looked at; nothing runs), the casts of the inputs
-    themselves are counted for those inputs: an integer token tensor is not cast, a
-    bfloat16 input needs no cast down.
+    Without example inputs: the static plan made at conversion, read without running
+    anything (counts assume each floating input is one float32 tensor). With them: the
+    casts a forward with those inputs makes, exactly (what
+    :class:`mixprec.inspect.CastCounter` counts in a real call), measured by running the
+    forward on fake tensors: no real data is read or written. One row per module that
+    cast, each cast shown as ``source dtype -> target dtype``. A forward that fake
+    tensors cannot run (it reads a tensor's value, ``.item()``) falls back to the static
+    plan with the inputs' own casts counted for their dtypes.
 
     Example:
         >>> net = mixprec.auto_mixed_precision(torch.nn.Linear(4, 4), "O1")
@@ -262,7 +275,98 @@ def explain(network: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> 
     plan = conversion.plan if conversion.refresh is None else conversion.refresh()
     if not example_inputs and not example_kwargs:
         return plan
-    return _for_inputs(plan, network, example_inputs, example_kwargs)
+    try:
+        inspect.signature(network.forward).bind(*example_inputs, **example_kwargs)
+    except TypeError as error:
+        raise TypeError(
+            f"the example inputs do not fit {type(network).__name__}.forward: {error}"
+        ) from None
+    try:
+        return _measured(plan, network, example_inputs, example_kwargs)
+    except _FAKE_LIMITS:
+        return _for_inputs(plan, network, example_inputs, example_kwargs)
+
+
+def _fake_limits() -> tuple[type[BaseException], ...]:
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedFakeTensorException,
+    )
+
+    return (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedFakeTensorException,
+    )
+
+
+_FAKE_LIMITS = _fake_limits()
+
+
+class _Where:
+    """The qualified name of the module running now (a stack kept by global module
+    hooks, installed only while a measurement runs)."""
+
+    def __init__(self, network: nn.Module) -> None:
+        self.names: dict[int, str] = {}
+        for name, module in network.named_modules(remove_duplicate=False):
+            self.names.setdefault(id(module), name)
+        self.stack: list[str] = []
+
+    def push(self, module: nn.Module, args: Any) -> None:
+        self.stack.append(self.names.get(id(module), self.stack[-1] if self.stack else ""))
+
+    def pop(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+
+    @property
+    def now(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+
+def _measured(
+    plan: CastPlan, network: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> CastPlan:
+    """``plan``'s header with rows of the casts a forward on fake tensors makes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.modules import module as module_hooks
+
+    from mixprec.inspect import CastCounter
+
+    where = _Where(network)
+    found: dict[str, list[Cast]] = {}
+
+    class _Counter(CastCounter):
+        def record(self, source: torch.dtype, target: torch.dtype) -> None:
+            super().record(source, target)
+            found.setdefault(where.now, []).append(Cast(dtype_name(source), target))
+
+    rng = torch.random.get_rng_state()
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = pytree.tree_map_only(torch.Tensor, fake.from_tensor, (args, kwargs))
+    state: dict[str, torch.Tensor] = {  # every Parameter and buffer as a fake, for the call
+        name: fake.from_tensor(tensor)
+        for name, tensor in (*network.named_parameters(), *network.named_buffers())
+    }
+    pre = module_hooks.register_module_forward_pre_hook(where.push)
+    post = module_hooks.register_module_forward_hook(where.pop, always_call=True)
+    try:
+        with fake, _Counter():
+            torch.func.functional_call(network, state, fakes[0], fakes[1], strict=False)
+    finally:
+        pre.remove()
+        post.remove()
+        torch.random.set_rng_state(rng)
+    types = {name: type(module).__name__ for name, module in network.named_modules()}
+    rows = tuple(
+        PlanRow.make(path, types.get(path, "module"), "measured", casts, kind=RowKind.MEASURED)
+        for path, casts in found.items()
+    )
+    return dataclasses.replace(
+        plan, rows=rows, assumption="the given example inputs, measured on fake tensors"
+    )
 
 
 def _needs_cast(value: Any, target: torch.dtype) -> bool:

@@ -1,18 +1,34 @@
-"""Copies of a module tree that share its Parameters and buffers.
+"""Copies of a module tree that share its Parameters and buffers, and the one owner of
+a converted module's instance slots.
 
 Converting never edits the user's module: it edits a *structural copy*, a new tree of
 modules of the same classes whose ``_parameters`` and ``_buffers`` hold the very same
 tensor objects. An optimizer built on the original keeps updating the weights the copy
 computes with; hooks or children added to the copy do not reach the original.
+
+The instance slots a conversion layers on a copied module (``forward``, ``_parameters``,
+``extra_repr``) are written here only: :func:`set_forward`, :func:`set_parameters` and
+:func:`add_repr_note`. Layers compose: a repr note is added, never replaces another
+(emulation keeps the level line), and a forward wraps the one before it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from torch import nn
 
-__all__ = ["CONVERSION_ATTR", "conversion_of", "find_converted", "structural_copy"]
+__all__ = [
+    "CONVERSION_ATTR",
+    "ExtraRepr",
+    "add_repr_note",
+    "conversion_of",
+    "find_converted",
+    "set_forward",
+    "set_parameters",
+    "structural_copy",
+]
 
 #: The attribute a converted module carries (a :class:`mixprec.convert.plan.Conversion`).
 CONVERSION_ATTR = "_mixprec_conversion"
@@ -56,3 +72,42 @@ def find_converted(module: nn.Module) -> Iterator[str]:
     for name, sub in module.named_modules():
         if conversion_of(sub) is not None:
             yield name
+
+
+class ExtraRepr:
+    """``extra_repr`` of a converted module: its notes (the level and dtype, emulation,
+    ...), one a line, then the original class's own."""
+
+    def __init__(
+        self, module: nn.Module, text: str = "", cls: type[nn.Module] | None = None
+    ) -> None:
+        self.module = module
+        self.notes: list[str] = [text] if text else []
+        self.cls = type(module) if cls is None else cls
+
+    def __call__(self) -> str:
+        try:
+            own = self.cls.extra_repr(self.module)
+        except AttributeError:  # the original's extra_repr reads something the copy lacks
+            own = ""
+        return "\n".join(part for part in (*self.notes, own) if part)
+
+
+def add_repr_note(module: nn.Module, note: str) -> None:
+    """Add a line to what ``repr(module)`` shows for it (after any earlier note)."""
+    current = module.__dict__.get("extra_repr")
+    if not isinstance(current, ExtraRepr):
+        current = ExtraRepr(module)
+        module.__dict__["extra_repr"] = current
+    current.notes.append(note)
+
+
+def set_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
+    """Make ``forward`` the module's instance ``forward`` (it wraps whatever it read
+    from ``module.__dict__`` before)."""
+    module.__dict__["forward"] = forward
+
+
+def set_parameters(module: nn.Module, table: dict[str, Any]) -> None:
+    """Make ``table`` (a dict holding the same Parameters) the module's ``_parameters``."""
+    module.__dict__["_parameters"] = table
