@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -47,7 +47,7 @@ from mixprec.distributed.replicas import Replicas
 from mixprec.distributed.step import Agreement, local_shard, without_ddp_prefix
 from mixprec.policy.levels import Level
 from mixprec.policy.ops import cast_tree
-from mixprec.training.grads import inverse_scale, unscale_grads_
+from mixprec.training.grads import inverse_scale, mark_unscaled, total_norm, unscale_grads_
 from mixprec.training.master import MasterWeights
 from mixprec.training.scale_state import FLOAT32_MAX
 from mixprec.training.scaling import LossScaleManager, overflow_limit_message
@@ -58,7 +58,7 @@ from mixprec.training.step_state import (
     choose_initial_scale,
 )
 
-__all__ = ["StepHooks", "TrainConfig", "TrainStep"]
+__all__ = ["StepHooks", "StepMetrics", "TrainConfig", "TrainStep"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +133,48 @@ def _loss_of(output: Any) -> torch.Tensor:
     )
 
 
+class StepMetrics(Mapping[str, Any]):
+    """A step's figures for logging, each read from the device only when looked up.
+
+    Keys: ``loss_scale`` (the scale the next step uses), ``skipped_steps``,
+    ``consecutive_overflows``, ``grad_norm`` (see :attr:`TrainStep.grad_norm`) and
+    ``overflow_module`` (with ``debug_overflow=True``, the module the last skipped step's
+    first non-finite value came from; None when not known).
+
+    Example:
+        >>> logger.log({k: v for k, v in step.metrics().items()})   # reads all: one wait
+    """
+
+    KEYS: ClassVar[tuple[str, ...]] = (
+        "loss_scale",
+        "skipped_steps",
+        "consecutive_overflows",
+        "grad_norm",
+        "overflow_module",
+    )
+
+    def __init__(self, step: TrainStep) -> None:
+        self._step = step
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.KEYS:
+            raise KeyError(f"{key!r} is not a step metric; the metrics are {list(self.KEYS)}")
+        if key == "overflow_module":
+            report = self._step.last_overflow_report
+            culprit = None if report is None else (report.forward or report.backward)
+            return None if culprit is None else culprit.module
+        return getattr(self._step, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.KEYS)
+
+    def __len__(self) -> int:
+        return len(self.KEYS)
+
+    def __repr__(self) -> str:
+        return f"StepMetrics({', '.join(self.KEYS)}; read on access)"
+
+
 def _fused_skip_ready(optimizer: torch.optim.Optimizer) -> bool:
     """Can the optimizer skip a step on the device from ``found_inf``?
 
@@ -161,6 +203,7 @@ class TrainStep(nn.Module):
         skipped_steps: how many optimizer steps were skipped so far.
         loss_scale: the loss scale the next step uses (1.0 without a manager).
         found_inf: the last step's overflow flag as a 0-dim float32 tensor (no sync).
+        grad_norm: the unscaled gradient norm of the last applied step (before clipping).
         last_overflow_report: with ``debug_overflow=True``, the
             :class:`~mixprec.diagnose.OverflowReport` of the last skipped step (the first
             non-finite module forward and backward, and a fix); None before a skip.
@@ -203,6 +246,7 @@ class TrainStep(nn.Module):
         self.hooks = hooks or StepHooks()
         self.optimizer_steps = 0
         self.found_inf = torch.zeros(())
+        self._grad_norm = torch.tensor(math.nan)  # the last applied step's, on the device
         self._micro_step = 0
         self._ledger = StepLedger()
         self._warned = False
@@ -248,6 +292,22 @@ class TrainStep(nn.Module):
             return 1.0
         state = manager.device_state()
         return float(state.scale) if state is not None else float(manager.get_loss_scale())
+
+    @property
+    def grad_norm(self) -> float:
+        """The L2 norm of the unscaled gradients of the last applied optimizer step (before
+        clipping; NaN before the first). Kept on the device; reading it waits for it."""
+        return float(self._grad_norm)
+
+    def metrics(self) -> StepMetrics:
+        """What a training loop logs, as a read-only mapping read lazily: nothing waits for
+        the device until a value is read (see :class:`StepMetrics`)."""
+        return StepMetrics(self)
+
+    def _total_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        if self.agreement.replicas.fsdp is not None:  # DTensors: torch reduces the shards
+            return torch.nn.utils.get_total_norm(grads)
+        return total_norm(grads)
 
     @property
     def _warming_up(self) -> bool:
@@ -358,6 +418,7 @@ class TrainStep(nn.Module):
                 if self._warming_up and state is not None and state.dynamic:
                     chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
             found, chosen = self.agreement.agree(found, chosen, state, check)
+            mark_unscaled(grads, found)
             self.found_inf = found
             if self.hooks.after_unscale is not None:
                 self.hooks.after_unscale(self, params)
@@ -374,8 +435,11 @@ class TrainStep(nn.Module):
                 self._ledger.update(found)
                 applied = None if on_device else not self._ledger.read_now()[0]  # the one sync
             if applied is not False:
+                norm = self._total_norm(grads)
                 if self.config.clip_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
+                    torch.nn.utils.clip_grads_with_norm_(params, self.config.clip_grad_norm, norm)
+                last = self._grad_norm.to(norm.device)
+                self._grad_norm = norm if applied else torch.where(found > 0, last, norm)
                 self._optimizer_step(found if on_device else None)
                 if self.masters is not None:
                     self.masters.refresh()
