@@ -303,6 +303,12 @@ def build_train_network(
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}: {optimizer!r}"
         )
+    if isinstance(loss_fn, type):
+        raise TypeError(
+            f"loss_fn must be a loss function or a loss module instance; got the class "
+            f"{loss_fn.__qualname__} itself: pass {loss_fn.__qualname__}() (called once, with "
+            f"its options) instead"
+        )
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None; got {loss_fn!r}")
     boost = BoostLevel.parse(boost_level, "boost_level")

@@ -400,6 +400,8 @@ class TrainStep(nn.Module):
         state = None if manager is None else manager.device_state()
         check = manager is None or manager.get_drop_overflow_update()
         device = grads[0].device if grads else self.found_inf.device
+        ledger = self._ledger.snapshot()
+        done = False
         try:
             with torch.no_grad():
                 local = [local_shard(g) for g in grads]  # FSDP2: each rank checks its own shard
@@ -452,10 +454,14 @@ class TrainStep(nn.Module):
                 self._debugger.after_skip(
                     self.network, inputs, kwargs, self.loss_fn, label, loss_scale=used
                 )
+            done = True
             if applied is False and self.hooks.after_skip is not None:
                 self.hooks.after_skip(self)
         finally:
-            self.optimizer_steps += 1
+            if done:  # a step whose optimizer (or anything before it) raised is not counted
+                self.optimizer_steps += 1
+            else:
+                self._ledger.restore(ledger)
             if self.masters is not None:
                 self.masters.step_done()
             self.optimizer.zero_grad(set_to_none=True)
@@ -500,9 +506,12 @@ class TrainStep(nn.Module):
             return
         run = self._ledger.read()[2]
         if run > self.MAX_CONSECUTIVE_OVERFLOWS:
+            manager = self.loss_scale_manager
+            state = None if manager is None else manager.device_state()
+            fixed = state is not None and not state.dynamic and not self._warming_up
             raise RuntimeError(
                 "mixprec training step: "
-                + overflow_limit_message(run, min(self.loss_scale, FLOAT32_MAX))
+                + overflow_limit_message(run, min(self.loss_scale, FLOAT32_MAX), fixed=fixed)
             )
         if run >= self.OVERFLOW_WARNING_AFTER and not self._warned:
             self._warned = True
