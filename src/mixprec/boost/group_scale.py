@@ -198,6 +198,27 @@ class GroupLossScaleManager(LossScaleManager):
         """Forget boundary flags of an abandoned backward."""
         self._boundary_bad = torch.zeros_like(self._boundary_bad)
 
+    # ------------------------------------------------------------------ the step's protocol
+    def check_network(self, network: nn.Module) -> None:
+        check_boundaries(network, self._groups)
+
+    def unscale_step(
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        inverse: torch.Tensor,
+        agree: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> torch.Tensor:
+        del grads, inverse  # each group by its own scale
+        return self.unscale_(params, agree)
+
+    def abandon(self) -> None:
+        self.reset_flags()
+
+    def update_on_device(self, found: torch.Tensor, chosen: torch.Tensor | None) -> None:
+        del found, chosen  # the per-group flags of the last unscale_step decide
+        self.adjust_groups()
+
     def adjust_groups(self) -> None:
         """Apply the rule per group from the last :meth:`unscale_`: only the culprit (the
         overflowing group nearest the loss) counts an overflow. No host sync."""

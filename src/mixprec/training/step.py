@@ -35,15 +35,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from mixprec._warn import warn
-from mixprec.boost.group_scale import GroupLossScaleManager
-from mixprec.boost.plan import BoostPlan
 from mixprec.distributed.replicas import Replicas
 from mixprec.distributed.step import Agreement, local_shard, without_ddp_prefix
 from mixprec.policy.levels import Level
@@ -58,6 +56,9 @@ from mixprec.training.step_state import (
     check_extra_state,
     choose_initial_scale,
 )
+
+if TYPE_CHECKING:
+    from mixprec.boost.plan import BoostPlan
 
 __all__ = ["StepHooks", "StepMetrics", "TrainConfig", "TrainStep"]
 
@@ -424,8 +425,8 @@ class TrainStep(nn.Module):
     def _abandon(self) -> None:
         """Drop every gradient of an abandoned step (and its accumulation)."""
         self._micro_step = 0
-        if isinstance(self.loss_scale_manager, GroupLossScaleManager):
-            self.loss_scale_manager.reset_flags()
+        if self.loss_scale_manager is not None:
+            self.loss_scale_manager.abandon()
         if self.masters is not None:
             self.masters.clear_grads()
         self.optimizer.zero_grad(set_to_none=True)
@@ -453,15 +454,14 @@ class TrainStep(nn.Module):
             # which on CPU is several times faster than an inf-norm reduction
             inverse = torch.ones((), device=device) if scale is None else inverse_scale(scale)
             chosen = None
-            if isinstance(manager, GroupLossScaleManager):  # each group by its own scale
-                replicas = self.agreement.replicas
-                found = manager.unscale_(
-                    params, replicas.all_reduce_max if replicas.active else None
-                )
-            else:
+            if manager is None:
                 found = unscale_grads_(local, inverse)
-                if self._warming_up and state is not None and state.dynamic:
-                    chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
+            else:
+                replicas = self.agreement.replicas
+                agree = replicas.all_reduce_max if replicas.active else None
+                found = manager.unscale_step(params, local, inverse, agree)
+            if self._warming_up and state is not None and state.dynamic:
+                chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
             found, chosen = self.agreement.agree(found, chosen, state, check)
             mark_unscaled(grads, found)
             self.found_inf = found
@@ -534,15 +534,7 @@ class TrainStep(nn.Module):
         if state is None:
             manager.update_loss_scale(self._ledger.read()[0])
             return
-        if isinstance(manager, GroupLossScaleManager):
-            manager.adjust_groups()
-            return
-        finite = found == 0
-        if chosen is not None:
-            after = state.adjust(finite)
-            state.assign(dataclasses.replace(after, scale=torch.where(finite, chosen, after.scale)))
-        else:
-            state.assign(state.adjust(finite))
+        manager.update_on_device(found, chosen)
 
     def _check_limits(self, known: bool) -> None:
         if not known and self.optimizer_steps % self.LIMIT_CHECK_INTERVAL:
