@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import mixprec as amp
-from mixprec.training.grads import inverse_scale
+from mixprec.training.grads import _inverse_scale
 
 MANAGERS: dict[str, Callable[[], Any]] = {
     "dynamic": lambda: amp.DynamicLossScaleManager(2.0**10, 2, 100),
@@ -74,7 +74,9 @@ def test_the_protocol_methods_directly(name: str) -> None:
     (nn.CrossEntropyLoss()(model(_batch()[0]), _batch()[1]) * scale).backward()
     params = list(model.parameters())
     expected = [p.grad / scale for p in params]
-    found = manager.unscale_step(params, [p.grad for p in params], inverse_scale(scale), agree=None)
+    found = manager.unscale_step(
+        params, [p.grad for p in params], _inverse_scale(scale), agree=None
+    )
     assert found.dtype == torch.float32
     assert found.dim() == 0
     assert float(found) == 0.0

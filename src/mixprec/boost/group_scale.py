@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from mixprec._warn import warn
-from mixprec.training.grads import inverse_scale, unscale_grads_
+from mixprec.training.grads import _inverse_scale, _unscale_grads
 from mixprec.training.scale_state import (
     LossScaleState,
     check_count,
@@ -186,7 +186,8 @@ class GroupLossScaleManager(LossScaleManager):
             by_group[self._group_of.get(id(p), last)].append(p.grad)
         device = self._core.scale.device
         found = [
-            unscale_grads_(grads, inverse_scale(self._scale(g))) for g, grads in enumerate(by_group)
+            _unscale_grads(grads, _inverse_scale(self._scale(g)))
+            for g, grads in enumerate(by_group)
         ]
         flags = torch.stack([f.to(device) for f in found])
         flags = torch.maximum(flags, self._boundary_bad.to(device))

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from mixprec.training.grads import inverse_scale, to_device, unscale_grads_
+from mixprec.training.grads import _inverse_scale, _unscale_grads, to_device
 from mixprec.training.scale_state import (
     Check,
     LossScaleState,
@@ -156,7 +156,7 @@ class _TensorScaler(LossScaler):
         return _mul_floating(inputs, self._core.scale)
 
     def unscale(self, inputs: Any) -> Any:
-        return _mul_floating(inputs, inverse_scale(self._core.scale))
+        return _mul_floating(inputs, _inverse_scale(self._core.scale))
 
 
 class StaticLossScaler(_TensorScaler):
@@ -302,7 +302,7 @@ class LossScaleManager(_Adapter):
         shards under FSDP2), ``inverse`` is ``1 / scale``; ``agree`` all-reduces (MAX)
         per-part flags across ranks for a policy that keeps several (None in one process)."""
         del params, agree
-        return unscale_grads_(grads, inverse)
+        return _unscale_grads(grads, inverse)
 
     def abandon(self) -> None:
         """A backward was abandoned (an exception, a skip): forget what it recorded."""

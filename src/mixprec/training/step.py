@@ -46,7 +46,7 @@ from mixprec.distributed.replicas import Replicas
 from mixprec.distributed.step import Agreement, local_shard, without_ddp_prefix
 from mixprec.policy.levels import Level
 from mixprec.policy.ops import cast_tree
-from mixprec.training.grads import inverse_scale, mark_unscaled, total_norm, unscale_grads_
+from mixprec.training.grads import _inverse_scale, _unscale_grads, mark_unscaled, total_norm
 from mixprec.training.master import MasterWeights
 from mixprec.training.scale_state import FLOAT32_MAX
 from mixprec.training.scaling import LossScaleManager, overflow_limit_message
@@ -452,10 +452,10 @@ class TrainStep(nn.Module):
             scale = None if self._warming_up else self._scale_tensor(device)
             # one fused pass unscales and checks; with no scale it multiplies by exactly 1,
             # which on CPU is several times faster than an inf-norm reduction
-            inverse = torch.ones((), device=device) if scale is None else inverse_scale(scale)
+            inverse = torch.ones((), device=device) if scale is None else _inverse_scale(scale)
             chosen = None
             if manager is None:
-                found = unscale_grads_(local, inverse)
+                found = _unscale_grads(local, inverse)
             else:
                 replicas = self.agreement.replicas
                 agree = replicas.all_reduce_max if replicas.active else None
