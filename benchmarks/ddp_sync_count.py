@@ -47,9 +47,11 @@ def _count(rank: int, world: int) -> dict[str, float]:
         originals = {n: getattr(torch.Tensor, n) for n in ("item", "__float__", "tolist")}
         for n, original in originals.items():
 
-            def counted(self: torch.Tensor, *args: Any, _original: Any = original) -> Any:
+            def counted(
+                self: torch.Tensor, *args: Any, _original: Any = original, _n: list[int] = count
+            ) -> Any:
                 if f"{os.sep}mixprec{os.sep}" in sys._getframe(1).f_code.co_filename:
-                    count[0] += 1
+                    _n[0] += 1
                 return _original(self, *args)
 
             setattr(torch.Tensor, n, counted)
