@@ -16,15 +16,12 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
 
 from mixprec._warn import warn
-from mixprec.boost.config import BoostLevel, parse_boost_config
-from mixprec.boost.group_scale import GroupLossScaleManager, check_boundaries
-from mixprec.boost.plan import plan_boost
 from mixprec.convert.api import check_network, convert
 from mixprec.distributed.replicas import Replicas, ddp_of, find_replicas, fsdp_of
 from mixprec.distributed.shard import sharded_level
@@ -33,6 +30,9 @@ from mixprec.policy.levels import Level, Pins, Recipe, resolve
 from mixprec.training.master import MasterWeights
 from mixprec.training.scaling import DynamicLossScaleManager, LossScaleManager
 from mixprec.training.step import StepHooks, TrainConfig, TrainStep
+
+if TYPE_CHECKING:
+    from mixprec.boost.config import BoostLevel
 
 __all__ = ["DEFAULT", "UnsupportedArgError", "build_train_network"]
 
@@ -99,6 +99,21 @@ def _check_float_parameters(network: nn.Module, level: Level, low: torch.dtype |
                 f"Build the step from the float32 model (model.float()), or use level 'O0' to "
                 f"train it as it is"
             )
+
+
+def _check_output_loss(output_loss: object, loss_fn: object) -> None:
+    if output_loss is None:
+        return
+    if isinstance(output_loss, bool) or not isinstance(output_loss, (int, str)):
+        raise TypeError(
+            f"output_loss must be an index (int), a key or attribute name (str), or None; got "
+            f"{output_loss!r}"
+        )
+    if loss_fn is not None:
+        raise ValueError(
+            f"output_loss={output_loss!r} picks the loss out of the network's output, but "
+            "loss_fn is given (it computes the loss from the whole output): pass one of them"
+        )
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, network: nn.Module, loss_fn: object) -> None:
@@ -244,6 +259,7 @@ def build_train_network(
     process_group: Any = None,
     boost_config: Mapping[str, Any] | None = None,
     emulate: bool = False,
+    output_loss: int | str | None = None,
 ) -> TrainStep:
     """Build a mixed-precision training step.
 
@@ -279,6 +295,10 @@ def build_train_network(
         boost_config: options of the boost level (see :class:`mixprec.boost.BoostConfig`).
         emulate: run the low-precision GEMMs (forward and backward) as float32 kernels on
             rounded inputs with rounded results, as :func:`mixprec.auto_mixed_precision`.
+        output_loss: without ``loss_fn``, where the loss is in the network's output: an
+            index (``output[1]`` of ``(logits, loss)``) or a key or attribute name. Left
+            out: the output itself, ``output["loss"]``, ``output.loss``, or a scalar
+            ``output[0]``; any other output is refused with what it holds.
 
     Returns:
         A :class:`TrainStep`: ``loss = step(*inputs, label)`` (or ``step(*inputs, **kwargs)``
@@ -303,8 +323,18 @@ def build_train_network(
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}: {optimizer!r}"
         )
+    if isinstance(loss_fn, type):
+        raise TypeError(
+            f"loss_fn must be a loss function or a loss module instance; got the class "
+            f"{loss_fn.__qualname__} itself: pass {loss_fn.__qualname__}() (called once, with "
+            f"its options) instead"
+        )
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None; got {loss_fn!r}")
+    # the boost wing sits above this floor: imported when a step is built
+    from mixprec.boost.config import BoostLevel, parse_boost_config
+    from mixprec.boost.plan import plan_boost
+
     boost = BoostLevel.parse(boost_level, "boost_level")
     boost_options = parse_boost_config(boost_config)
     manager = loss_scale_manager
@@ -313,6 +343,7 @@ def build_train_network(
             f"loss_scale_manager must be a mixprec.LossScaleManager or None; got {manager!r}"
         )
     hooks = _check_hooks(optimizer, lr_scheduler, after_unscale, after_skip)
+    _check_output_loss(output_loss, loss_fn)
     if not isinstance(debug_overflow, bool):
         raise TypeError(f"debug_overflow must be a bool; got {debug_overflow!r}")
 
@@ -334,8 +365,8 @@ def build_train_network(
         fp32_modules,
         low_modules,
     )
-    if isinstance(manager, GroupLossScaleManager):
-        check_boundaries(inner, manager.loss_scale_groups)
+    if isinstance(manager, LossScaleManager):
+        manager.check_network(inner)
     _check_wrapped(inner, replicas, config)
     # under FSDP2 the parameters are FSDP2's to cast (see mixprec.distributed.fully_shard)
     converted = inner if fsdp is not None else convert(inner, recipe, emulate=emulate)
@@ -345,7 +376,7 @@ def build_train_network(
         if not config.master_weights:
             _repoint(optimizer, masters)
             masters = None
-    if isinstance(manager, GroupLossScaleManager):
+    if isinstance(manager, LossScaleManager):
         pairs = [] if masters is None else list(zip(masters.masters, masters.lows, strict=True))
         manager.attach(converted, pairs)
     plan = plan_boost(boost, boost_options, converted, optimizer, ddp, masters)
@@ -373,7 +404,7 @@ def build_train_network(
         converted,
         optimizer,
         loss_fn,
-        config,
+        dataclasses.replace(config, output_loss=output_loss),
         manager,
         masters,
         hooks,

@@ -11,15 +11,13 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 
 from mixprec.training.master import MasterWeights
 from mixprec.training.scaling import LossScaleManager
-
-if TYPE_CHECKING:
-    from mixprec.training.step import TrainStep
 
 __all__ = ["StepLedger", "check_checkpoint", "check_extra_state", "choose_initial_scale"]
 
@@ -54,6 +52,13 @@ class StepLedger:
         """The host copy, read from the device only when stale."""
         return self._host if self._host is not None else self.read_now()
 
+    def snapshot(self) -> tuple[torch.Tensor, tuple[bool, int, int] | None]:
+        """The ledger as it is, to :meth:`restore` if the step fails (no sync)."""
+        return self._values, self._host
+
+    def restore(self, snapshot: tuple[torch.Tensor, tuple[bool, int, int] | None]) -> None:
+        self._values, self._host = snapshot
+
     def load(self, overflow: bool, skipped: int, run: int) -> None:
         self._values = torch.tensor(
             [float(overflow), float(skipped), float(run)], device=self._values.device
@@ -73,7 +78,8 @@ def choose_initial_scale(grads: list[torch.Tensor], dtype: torch.dtype) -> torch
     if not grads:
         return torch.tensor(2.0**16)
     device = grads[0].device
-    norms = torch._foreach_norm([g.float() for g in grads], ord=math.inf)
+    values = [(g._values() if g.is_sparse else g).float() for g in grads]
+    norms = torch._foreach_norm([v for v in values if v.numel()] or [torch.zeros(1)], ord=math.inf)
     amax = torch.stack([n.to(device) for n in norms]).max()
     exponent = torch.floor(torch.log2(INITIAL_GRADIENT_TARGET / amax))
     chosen = torch.exp2(exponent).clamp(1.0, INITIAL_SCALE_CAP)
@@ -148,12 +154,19 @@ def check_extra_state(
     }
 
 
-def check_checkpoint(step: TrainStep, state_dict: Mapping[str, Any], strict: bool) -> None:
-    """Check a whole step checkpoint (keys, shapes, extra state) before anything is written."""
+def check_checkpoint(
+    children: Mapping[str, nn.Module],
+    state_dict: Mapping[str, Any],
+    strict: bool,
+    manager: LossScaleManager | None,
+    masters: MasterWeights | None,
+) -> None:
+    """Check a whole step checkpoint (keys, shapes, extra state) before anything is written:
+    ``children`` are the step's named submodules, ``manager`` and ``masters`` its parts."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a dict; got {type(state_dict).__name__}")
     expected: dict[str, Any] = {}
-    for name, child in step.named_children():
+    for name, child in children.items():
         expected.update(child.state_dict(prefix=f"{name}.", keep_vars=True))
     extra = "_extra_state"
     missing = sorted(set(expected) - set(state_dict) | ({extra} - set(state_dict)))
@@ -175,4 +188,4 @@ def check_checkpoint(step: TrainStep, state_dict: Mapping[str, Any], strict: boo
                 f"{tuple(own.shape)} (nothing was loaded)"
             )
     if extra in state_dict:
-        check_extra_state(state_dict[extra], step.loss_scale_manager, step.masters)
+        check_extra_state(state_dict[extra], manager, masters)
