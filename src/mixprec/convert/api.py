@@ -18,6 +18,7 @@ from mixprec.convert.emulate import install_emulation
 from mixprec.convert.graph import convert_graph
 from mixprec.convert.module_level import convert_module_level
 from mixprec.convert.structure import find_converted
+from mixprec.distributed.shard import refuse_sharded
 from mixprec.policy import lists
 from mixprec.policy.dtypes import device_of, dtype_name, warn_if_slow
 from mixprec.policy.levels import Level, Pins, Recipe, check_list, resolve
@@ -144,12 +145,14 @@ def convert(network: nn.Module, recipe: Recipe, *, emulate: bool = False) -> nn.
 
     Raises:
         TypeError: ``network`` is not a module.
-        ValueError: ``network`` (or a submodule) is already converted.
+        ValueError: ``network`` (or a submodule) is already converted, or sharded by FSDP2
+            above O0.
     """
     network = check_network(network)
     check_emulate(emulate)
     if recipe.level is Level.O0:
         return network
+    refuse_sharded(network)
     if not emulate:
         warn_if_slow(recipe.dtype, device_of(network))
     if recipe.level in (Level.O2, Level.O3):
