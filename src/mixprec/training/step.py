@@ -21,7 +21,8 @@ to drop); refresh of the low-precision weights; the loss-scale update on the dev
 Under ``torch.distributed`` (:mod:`mixprec.distributed`): the step calls the user's DDP
 wrapper (left as it was) with the converted network in place for the call, reduces
 gradients on the last micro-batch only (``no_sync`` before it), agrees with its process
-group in one all-reduce per optimizer step, and is a ``Joinable`` (``step.join()``).
+group in one all-reduce per optimizer step, and joins uneven inputs (``step.join()``): all
+through the replica agreement it holds (``step.agreement``, :mod:`mixprec.distributed.step`).
 
 Host syncs: at most one per optimizer step (reading the overflow flag before the optimizer
 step). With an optimizer that takes ``found_inf`` itself (``fused=True`` Adam, AdamW, SGD)
@@ -32,6 +33,7 @@ there is none: the optimizer skips on the device, and ``overflow``, ``loss_scale
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -42,7 +44,7 @@ from mixprec._warn import warn
 from mixprec.boost.group_scale import GroupLossScaleManager
 from mixprec.boost.plan import BoostPlan
 from mixprec.distributed.replicas import Replicas
-from mixprec.distributed.step import ReplicatedStep, local_shard, without_ddp_prefix
+from mixprec.distributed.step import Agreement, local_shard, without_ddp_prefix
 from mixprec.policy.levels import Level
 from mixprec.policy.ops import cast_tree
 from mixprec.training.grads import inverse_scale, unscale_grads_
@@ -149,7 +151,7 @@ def _fused_skip_ready(optimizer: torch.optim.Optimizer) -> bool:
     return True
 
 
-class TrainStep(nn.Module, ReplicatedStep):
+class TrainStep(nn.Module):
     """One training step per call (see :func:`build_train_network`).
 
     Attributes:
@@ -188,9 +190,11 @@ class TrainStep(nn.Module, ReplicatedStep):
         debug_overflow: bool = False,
     ) -> None:
         super().__init__()
-        ReplicatedStep.__init__(self)
         self.network = network
-        self.replicas = replicas or Replicas()
+        #: the replica agreement (DDP/FSDP2 forward, no_sync, the one all-reduce, join)
+        self.agreement = Agreement(
+            replicas or Replicas(), self._join_device, self._shadow_micro_batch
+        )
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.config = config
@@ -202,8 +206,6 @@ class TrainStep(nn.Module, ReplicatedStep):
         self._micro_step = 0
         self._ledger = StepLedger()
         self._warned = False
-        self._disagree = torch.zeros(())  # sticky: 1.0 once the ranks' scale states differed
-        self._agreed_steps = 0  # optimizer steps since the build (never checkpointed)
         #: the boost level's decisions and seams (None at boost level O0)
         self.boost: BoostPlan | None = None
         self._debugger: Any = None
@@ -254,13 +256,13 @@ class TrainStep(nn.Module, ReplicatedStep):
     # ------------------------------------------------------------------ the step
     def forward(self, *inputs: Any, **kwargs: Any) -> torch.Tensor:
         """Run one micro-batch; returns its unscaled float32 loss (detached)."""
-        self._check_join()
+        self.agreement.check_join()
         last = self._micro_step + 1 == self.config.accumulation_steps
         try:
             if self.boost is not None:
                 network_args = inputs[:-1] if self.loss_fn is not None else inputs
                 self.boost.before_forward(self.network, network_args, self.optimizer_steps)
-            with self._communication(last):
+            with self.agreement.communication(last):
                 if self.loss_fn is not None:
                     if not inputs:
                         raise TypeError(
@@ -270,7 +272,7 @@ class TrainStep(nn.Module, ReplicatedStep):
                     *net_inputs, label = inputs
                     if self._debugger is not None:
                         self._batch = (tuple(net_inputs), kwargs, label)
-                    output = self._run_network(*net_inputs, **kwargs)
+                    output = self.agreement.run(self.network, *net_inputs, **kwargs)
                     loss = _as_loss(
                         self.loss_fn(
                             cast_tree(output, torch.float32), cast_tree(label, torch.float32)
@@ -280,7 +282,9 @@ class TrainStep(nn.Module, ReplicatedStep):
                 else:
                     if self._debugger is not None:
                         self._batch = (inputs, kwargs, None)
-                    loss = _as_loss(_loss_of(self._run_network(*inputs, **kwargs)), "the network")
+                    loss = _as_loss(
+                        _loss_of(self.agreement.run(self.network, *inputs, **kwargs)), "the network"
+                    )
                 scale = self._scale_tensor(loss.device)
                 steps = self.config.accumulation_steps
                 if scale is not None:
@@ -345,13 +349,15 @@ class TrainStep(nn.Module, ReplicatedStep):
             inverse = torch.ones((), device=device) if scale is None else inverse_scale(scale)
             chosen = None
             if isinstance(manager, GroupLossScaleManager):  # each group by its own scale
-                active = self.replicas.active
-                found = manager.unscale_(params, self.replicas.all_reduce_max if active else None)
+                replicas = self.agreement.replicas
+                found = manager.unscale_(
+                    params, replicas.all_reduce_max if replicas.active else None
+                )
             else:
                 found = unscale_grads_(local, inverse)
                 if self._warming_up and state is not None and state.dynamic:
                     chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
-            found, chosen = self._agree(found, chosen, state, check)
+            found, chosen = self.agreement.agree(found, chosen, state, check)
             self.found_inf = found
             if self.hooks.after_unscale is not None:
                 self.hooks.after_unscale(self, params)
@@ -362,7 +368,7 @@ class TrainStep(nn.Module, ReplicatedStep):
                 and self._debugger is None
                 and _fused_skip_ready(self.optimizer)
             )
-            self._check_agreement(host_read=not on_device)
+            self.agreement.check(state, host_read=not on_device, interval=self.LIMIT_CHECK_INTERVAL)
             applied: bool | None = True  # without a check, every step is applied
             if check:
                 self._ledger.update(found)
@@ -445,6 +451,53 @@ class TrainStep(nn.Module, ReplicatedStep):
         elif run < self.OVERFLOW_WARNING_AFTER:
             self._warned = False
 
+    # ------------------------------------------------------------------ other ranks
+    @property
+    def replicas(self) -> Replicas:
+        """The ranks this step agrees with (see :class:`~mixprec.distributed.Replicas`)."""
+        return self.agreement.replicas
+
+    def join(self, *, enable: bool = True, throw_on_early_termination: bool = False) -> Any:
+        """A ``torch.distributed`` ``Join`` context for uneven inputs across ranks.
+
+        Under DDP it joins the wrapper and the step (``Join([ddp, step.agreement])``); use
+        it where you would use ``ddp.join()``.
+
+        Example:
+            >>> with step.join():
+            ...     for x, y in loader:          # ranks may hold different numbers of batches
+            ...         step(x, y)
+        """
+        return self.agreement.join(
+            enable=enable, throw_on_early_termination=throw_on_early_termination
+        )
+
+    def _join_device(self) -> torch.device:
+        return next(
+            (p.device for g in self.optimizer.param_groups for p in g["params"]),
+            torch.device("cpu"),
+        )
+
+    def _shadow_micro_batch(self) -> None:
+        """A joined rank's share of the others' micro-batch (see :mod:`mixprec.distributed.join`)."""
+        self._micro_step += 1
+        if self._micro_step < self.config.accumulation_steps:
+            return
+        self._abandon()
+        manager = self.loss_scale_manager
+        state = None if manager is None else manager.device_state()
+        check = manager is None or manager.get_drop_overflow_update()
+        nothing = torch.zeros((), device=self._join_device())
+        warm = self._warming_up and state is not None and state.dynamic
+        chosen = torch.full_like(nothing, math.inf) if warm else None
+        try:
+            found, chosen = self.agreement.agree(nothing, chosen, state, check)
+            if check:
+                self._ledger.update(found)
+            self._update_scale(manager, state, found, chosen)
+        finally:
+            self.optimizer_steps += 1
+
     # ------------------------------------------------------------------ checkpoints
     def get_extra_state(self) -> dict[str, Any]:
         if self._micro_step:
@@ -481,7 +534,9 @@ class TrainStep(nn.Module, ReplicatedStep):
         master weights) before anything is written. Checkpoints of mixprec 0.1.0 load, and so
         do those of a step that held the DDP wrapper itself (``network.module.*`` keys)."""
         state_dict = without_ddp_prefix(self.network, state_dict)
-        check_checkpoint(self, state_dict, strict)
+        check_checkpoint(
+            dict(self.named_children()), state_dict, strict, self.loss_scale_manager, self.masters
+        )
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if self.masters is not None:
             self.masters.refresh()  # the masters are the checkpoint's truth
