@@ -65,10 +65,10 @@ def _poisoned(rank: int, mode: str) -> dict[str, Any]:
     return record
 
 
-def _accumulate(rank: int, world: int) -> dict[str, Any]:
+def _accumulate(rank: int, world: int, static_graph: bool = False) -> dict[str, Any]:
     """4 micro-batches per optimizer step: one gradient all-reduce, counted by a hook."""
     model = _model()
-    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp = nn.parallel.DistributedDataParallel(model, static_graph=static_graph)
     calls: list[int] = []
 
     def counting(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads the annotations
@@ -252,7 +252,53 @@ def _agreement(rank: int, world: int) -> dict[str, Any]:
         state["_extra_state"]["loss_scale_manager"]["loss_scale"] = torch.tensor(65536.0)
         step.load_state_dict(state)
     load = _error(lambda: step(*_batch(generator)))
-    return {"build": build, "load": load, "unchanged": torch.equal(before, _flat(model))}
+    return {
+        "build": build,
+        "load": load,
+        "unchanged": torch.equal(before, _flat(model)),
+        **_local_decisions(rank),
+    }
+
+
+def _local_decisions(rank: int) -> dict[str, Any]:
+    """Rank-local choices are agreed when the step is built."""
+    import mixprec.boost.plan as plan
+
+    def build(fused: bool | None = None, **options: Any) -> amp.TrainStep:
+        model = _model()
+        return amp.build_train_network(
+            nn.parallel.DistributedDataParallel(model),
+            torch.optim.SGD(model.parameters(), lr=0.05, fused=fused),
+            nn.CrossEntropyLoss(),
+            "O2",
+            dtype="bf16",
+            **options,
+        )
+
+    out: dict[str, Any] = {
+        "emulate": _error(lambda: build(emulate=rank == 0)),
+        "pins": _error(lambda: build(fp32_modules=["0"] if rank else None)),
+        "host": _error(lambda: build(fused=True, after_skip=(lambda step: None) if rank else None)),
+        "groups": _error(
+            lambda: build(
+                loss_scale_manager=amp.GroupLossScaleManager(
+                    2.0 ** (10 + rank), [["0", "1"], ["3"]]
+                )
+            )
+        ),
+    }
+    # boost times the optimizer's kernels on each rank: every rank runs the first rank's
+    timed = plan.time_optimizer_impls
+    fastest = "foreach" if rank else "default"
+    plan.time_optimizer_impls = lambda optimizer, impls: {  # type: ignore[assignment]
+        k: (0.5 if k == fastest else 1.0) for k in impls
+    }
+    try:
+        step = build(boost_level="O1", boost_config={"compile": False})
+    finally:
+        plan.time_optimizer_impls = timed
+    out["kernels"] = [(g["fused"], g["foreach"]) for g in step.optimizer.param_groups]
+    return out
 
 
 def _scenarios(rank: int, world: int) -> dict[str, Any]:
@@ -261,6 +307,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         ("ddp", lambda r, w: _poisoned(r, "ddp")),
         ("plain", lambda r, w: _poisoned(r, "plain")),
         ("accumulate", _accumulate),
+        ("static_graph", lambda r, w: _accumulate(r, w, static_graph=True)),
         ("join", _join),
         ("wrapper", _wrapper),
         ("checkpoint", _checkpoint),
@@ -306,6 +353,15 @@ def test_accumulation_all_reduces_once_per_optimizer_step(ranks: list[dict[str, 
     assert rank0["all_reduces"] == rank1["all_reduces"] == 2
     assert _same(rank0["params"], rank1["params"])
     # the same weights as one process on every rank's micro-batches (float32, summation order)
+    torch.testing.assert_close(rank0["params"], rank0["reference"], rtol=1e-5, atol=1e-6)
+
+
+def test_static_graph_ddp_accumulates(ranks: list[dict[str, Any]]) -> None:
+    """static_graph=True: DDP records the graph on its first synced backward, so the very
+    first micro-batch is reduced too (one extra all-reduce, the same weights)."""
+    rank0, rank1 = (r["static_graph"] for r in ranks)
+    assert rank0["all_reduces"] == rank1["all_reduces"] == 3
+    assert _same(rank0["params"], rank1["params"])
     torch.testing.assert_close(rank0["params"], rank0["reference"], rtol=1e-5, atol=1e-6)
 
 
@@ -368,6 +424,17 @@ def test_ranks_that_disagree_fail_together_naming_ranks_and_values(
             "rank 0: 65536.0, rank 1: 1024.0. Did only some ranks load a checkpoint?"
         )
         assert result["unchanged"]  # the disagreeing step was skipped on every rank
+        when = "mixprec: the ranks disagree when the training step is built on "
+        assert result["emulate"].startswith(when + "emulate: rank 0: True, rank 1: False")
+        pins = when + "fp32_modules: rank 0: [], rank 1: ['0']"
+        assert result["pins"].startswith(pins), result["pins"]
+        host = when + "decides skips on: rank 0: 'the device', rank 1: 'the host'"
+        assert result["host"].startswith(host), result["host"]
+        # every group's scale, not only the last one's
+        groups = "loss-scale state: rank 0: {'loss_scales': [1024.0, 1024.0]"
+        assert groups in result["groups"], result["groups"]
+        assert "rank 1: {'loss_scales': [2048.0, 2048.0]" in result["groups"]
+        assert result["kernels"] == [(None, None)]  # rank 0's choice: the default
 
 
 def test_no_collective_in_one_process() -> None:

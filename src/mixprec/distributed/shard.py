@@ -43,7 +43,7 @@ that it is asked for the same one.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -316,7 +316,7 @@ def check_sharded_step(
     dtype: torch.dtype | None,
     *,
     emulate: bool,
-    options: dict[str, object],
+    options: Mapping[str, object],
 ) -> None:
     """Refuse a step on an FSDP2 model that would not compute as asked (before it runs).
 

@@ -3,9 +3,10 @@ holds (``step.agreement``).
 
 * the forward goes through the user's DDP wrapper, left as it was: its ``module`` is the
   converted network for the duration of the call only (:meth:`Agreement.run`);
-* gradients are reduced on the last micro-batch of an optimizer step only (``no_sync``
-  for DDP, ``set_requires_gradient_sync(False)`` for FSDP2, before it:
-  :meth:`Agreement.communication`);
+* under DDP gradients are reduced on the last micro-batch of an optimizer step only
+  (``no_sync`` before it); under FSDP2 on every micro-batch (each rank keeps its shard
+  only) unless the model was sharded with ``sync_every_micro_batch=False``
+  (:meth:`Agreement.communication`);
 * one agreement all-reduce per optimizer step (:meth:`Agreement.agree`); ranks whose
   loss-scale states differ skip together and raise at the next host read
   (:meth:`Agreement.check`);
@@ -28,6 +29,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from mixprec.distributed.join import StepJoinHook
 from mixprec.distributed.replicas import Replicas, disagreement
+from mixprec.distributed.shard import sharded_level
 
 __all__ = ["Agreement", "local_shard", "without_ddp_prefix"]
 
@@ -101,7 +103,10 @@ class Agreement(Joinable):
 
     @contextlib.contextmanager
     def communication(self, last: bool) -> Iterator[None]:
-        """Gradients are reduced on the last micro-batch of an optimizer step only."""
+        """Under DDP gradients are reduced on the last micro-batch of an optimizer step only
+        (and on the very first backward of a ``static_graph=True`` DDP, which records the
+        graph then); under FSDP2 on every micro-batch unless the model was sharded with
+        ``sync_every_micro_batch=False``."""
         work = Join.notify_join_context(self)
         if work is not None:
             work.wait()
@@ -110,9 +115,16 @@ class Agreement(Joinable):
         if last:
             yield
         elif ddp is not None:
+            if ddp.static_graph and not ddp._static_graph_delay_allreduce_enqueued:
+                yield  # DDP's first synced backward records the static graph
+                return
             with ddp.no_sync():
                 yield
         elif fsdp is not None:
+            shard = sharded_level(fsdp)
+            if shard is None or shard.sync_every_micro_batch:
+                yield  # each micro-batch reduce-scatters: a rank keeps its shard only
+                return
             fsdp.set_requires_gradient_sync(False)
             try:
                 yield

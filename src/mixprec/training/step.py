@@ -56,6 +56,7 @@ from mixprec.training.step_state import (
     check_checkpoint,
     check_extra_state,
     choose_initial_scale,
+    settled_initial_scale,
 )
 
 __all__ = ["StepHooks", "TrainConfig", "TrainStep"]
@@ -426,6 +427,7 @@ class TrainStep(nn.Module):
             return
         finite = found == 0
         if chosen is not None:
+            chosen = settled_initial_scale(chosen)
             after = state.adjust(finite)
             state.assign(dataclasses.replace(after, scale=torch.where(finite, chosen, after.scale)))
         else:
