@@ -245,7 +245,6 @@ def _agreement(rank: int, world: int) -> dict[str, Any]:
         loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 100),
     )
     generator = torch.Generator().manual_seed(600 + rank)
-    step(*_batch(generator))
     before = _flat(model)
     if rank == 0:
         state = step.state_dict()
@@ -301,6 +300,72 @@ def _local_decisions(rank: int) -> dict[str, Any]:
     return out
 
 
+def _budget(rank: int, world: int) -> dict[str, Any]:
+    """Per optimizer step under DDP: DDP's gradient all-reduces (a counting comm hook), the
+    collectives called from mixprec's code, and its host reads (Tensor -> Python)."""
+    import os
+    import sys
+
+    counts = {"collectives": 0, "syncs": 0}
+
+    def mine() -> bool:
+        return f"{os.sep}mixprec{os.sep}" in sys._getframe(2).f_code.co_filename
+
+    def counting(kind: str, original: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counts[kind] += mine()
+            return original(*args, **kwargs)
+
+        return counted
+
+    patched = [(dist, n) for n in ("all_reduce", "all_gather_object", "broadcast_object_list")]
+    patched += [(torch.Tensor, n) for n in ("item", "__bool__", "__float__", "__int__", "tolist")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in patched]
+    out: dict[str, Any] = {}
+    for optimizer in ("sgd", "sgd-fused"):
+        model = _model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        calls: list[int] = []
+
+        def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads the annotations
+            state.append(1)
+            work = dist.all_reduce(bucket.buffer().div_(world), async_op=True)
+            return work.get_future().then(lambda f: f.value()[0])
+
+        ddp.register_comm_hook(calls, hook)
+        step = amp.build_train_network(
+            ddp,
+            torch.optim.SGD(model.parameters(), lr=0.05, fused=optimizer == "sgd-fused"),
+            nn.CrossEntropyLoss(),
+            "O2",
+            dtype="bf16",
+            loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 100),
+        )
+        step.LIMIT_CHECK_INTERVAL = 4
+        generator = torch.Generator().manual_seed(800 + rank)
+        rows = []
+        for i in range(6):
+            x, y = _batch(generator)
+            if i == 2 and rank == 1:
+                x[0, 0] = float("inf")  # rank 1 only: DDP's all-reduce carries it to rank 0
+            for owner, name, original in saved:
+                setattr(
+                    owner,
+                    name,
+                    counting("syncs" if owner is torch.Tensor else "collectives", original),
+                )
+            try:
+                step(x, y)
+            finally:
+                for owner, name, original in saved:
+                    setattr(owner, name, original)
+            rows.append((len(calls), counts["collectives"], counts["syncs"], step.overflow))
+            calls.clear()
+            counts.update(collectives=0, syncs=0)
+        out[optimizer] = {"rows": rows, "params": _flat(model), "scale": step.loss_scale}
+    return out
+
+
 def _scenarios(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, fn in (
@@ -312,6 +377,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         ("wrapper", _wrapper),
         ("checkpoint", _checkpoint),
         ("agreement", _agreement),
+        ("budget", _budget),
     ):
         out[name] = fn(rank, world)
         dist.barrier()
@@ -435,6 +501,36 @@ def test_ranks_that_disagree_fail_together_naming_ranks_and_values(
         assert groups in result["groups"], result["groups"]
         assert "rank 1: {'loss_scales': [2048.0, 2048.0]" in result["groups"]
         assert result["kernels"] == [(None, None)]  # rank 0's choice: the default
+
+
+def test_ddp_steps_send_nothing_of_their_own_and_read_the_host_once(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """(gradient all-reduces, mixprec's collectives, mixprec's host reads, overflow) per
+    step: the overflow comes from DDP's all-reduced gradients; the loss-scale states are
+    compared on the first and every 4th step here (every 50th by default)."""
+    for r in ranks:
+        sgd, fused = r["budget"]["sgd"], r["budget"]["sgd-fused"]
+        assert sgd["rows"] == [
+            (1, 1, 1, False),  # the first step compares the states: one small all-reduce
+            (1, 0, 1, False),
+            (1, 0, 2, True),  # rank 1's inf skips both; a skip also reads the agreement flag
+            (1, 0, 1, False),
+            (1, 1, 1, False),
+            (1, 0, 1, False),
+        ], sgd["rows"]
+        assert fused["rows"] == [
+            (1, 1, 1, False),  # decided on the device: the agreement flag read when compared
+            (1, 0, 0, False),
+            (1, 0, 0, True),
+            (1, 0, 1, False),  # the overflow-limit check reads the ledger: every 4th step
+            (1, 1, 1, False),
+            (1, 0, 0, False),
+        ], fused["rows"]
+    for optimizer in ("sgd", "sgd-fused"):
+        a, b = (r["budget"][optimizer] for r in ranks)
+        assert _same(a["params"], b["params"])
+        assert a["scale"] == b["scale"] == 512.0
 
 
 def test_no_collective_in_one_process() -> None:

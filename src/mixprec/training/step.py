@@ -351,14 +351,18 @@ class TrainStep(nn.Module):
             chosen = None
             if isinstance(manager, GroupLossScaleManager):  # each group by its own scale
                 replicas = self.agreement.replicas
+                by_gradients = self.agreement.by_gradients  # DDP: already the same everywhere
                 found = manager.unscale_(
-                    params, replicas.all_reduce_max if replicas.active else None
+                    params,
+                    replicas.all_reduce_max if replicas.active and not by_gradients else None,
                 )
             else:
                 found = unscale_grads_(local, inverse)
                 if self._warming_up and state is not None and state.dynamic:
                     chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
-            found, chosen = self.agreement.agree(found, chosen, state, check)
+            found, chosen = self.agreement.agree(
+                found, chosen, state, check, interval=self.LIMIT_CHECK_INTERVAL
+            )
             self.found_inf = found
             if self.hooks.after_unscale is not None:
                 self.hooks.after_unscale(self, params)
@@ -369,11 +373,13 @@ class TrainStep(nn.Module):
                 and self._debugger is None
                 and _fused_skip_ready(self.optimizer)
             )
-            self.agreement.check(state, host_read=not on_device, interval=self.LIMIT_CHECK_INTERVAL)
             applied: bool | None = True  # without a check, every step is applied
             if check:
                 self._ledger.update(found)
                 applied = None if on_device else not self._ledger.read_now()[0]  # the one sync
+            interval = self.LIMIT_CHECK_INTERVAL
+            skipped = None if applied is None else not applied
+            self.agreement.check(state, skipped=skipped, interval=interval)
             if applied is not False:
                 if self.config.clip_grad_norm is not None:
                     torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
@@ -493,7 +499,9 @@ class TrainStep(nn.Module):
         warm = self._warming_up and state is not None and state.dynamic
         chosen = torch.full_like(nothing, math.inf) if warm else None
         try:
-            found, chosen = self.agreement.agree(nothing, chosen, state, check)
+            found, chosen = self.agreement.agree(
+                nothing, chosen, state, check, interval=self.LIMIT_CHECK_INTERVAL
+            )
             if check:
                 self._ledger.update(found)
             self._update_scale(manager, state, found, chosen)
