@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from mixprec._warn import warn
 from mixprec.boost.group_scale import GroupLossScaleManager
@@ -47,7 +48,7 @@ from mixprec.distributed.replicas import Replicas
 from mixprec.distributed.step import Agreement, local_shard, without_ddp_prefix
 from mixprec.policy.levels import Level
 from mixprec.policy.ops import cast_tree
-from mixprec.training.grads import inverse_scale, unscale_grads_
+from mixprec.training.grads import inverse_scale, mark_unscaled, total_norm, unscale_grads_
 from mixprec.training.master import MasterWeights
 from mixprec.training.scale_state import FLOAT32_MAX
 from mixprec.training.scaling import LossScaleManager, overflow_limit_message
@@ -59,7 +60,7 @@ from mixprec.training.step_state import (
     settled_initial_scale,
 )
 
-__all__ = ["StepHooks", "TrainConfig", "TrainStep"]
+__all__ = ["StepHooks", "StepMetrics", "TrainConfig", "TrainStep"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,8 @@ class TrainConfig:
     reason: str = ""
     #: the first optimizer step runs at scale 1 and picks the scale from its gradients
     auto_loss_scale: bool = False
+    #: without loss_fn: the index, key or attribute of the loss in the network's output
+    output_loss: int | str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,20 +121,97 @@ def _as_loss(value: Any, source: str) -> torch.Tensor:
     return value.float()
 
 
-def _loss_of(output: Any) -> torch.Tensor:
-    """The loss a network returned: a tensor, ``output["loss"]``, ``output.loss`` or ``output[0]``."""
+def _describe(output: Any) -> str:
+    if isinstance(output, torch.Tensor):
+        return f"a {str(output.dtype).removeprefix('torch.')} tensor of shape {tuple(output.shape)}"
+    if isinstance(output, Mapping):
+        return f"a {type(output).__name__} with keys {list(output)[:8]}"
+    if isinstance(output, (tuple, list)):
+        return f"a {type(output).__name__} of ({', '.join(_describe(v) for v in output[:8])})"
+    return type(output).__name__
+
+
+def _loss_of(output: Any, pick: int | str | None = None) -> Any:
+    """The loss a network returned: ``output[pick]`` (or ``output.pick``) when ``pick`` is
+    given, else the output itself, ``output["loss"]``, ``output.loss`` or a scalar
+    ``output[0]``."""
+    if pick is not None:
+        try:
+            if isinstance(pick, str) and not isinstance(output, Mapping):
+                return getattr(output, pick)
+            return output[pick]
+        except (KeyError, IndexError, AttributeError, TypeError) as error:
+            raise ValueError(
+                f"output_loss={pick!r}: the network returned {_describe(output)}, which has "
+                f"no entry {pick!r}"
+            ) from error
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, Mapping) and "loss" in output:
         return output["loss"]
     if getattr(output, "loss", None) is not None:
         return output.loss
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
+    if isinstance(output, (tuple, list)) and output:
+        first = output[0]
+        if isinstance(first, torch.Tensor) and first.dim() == 0:
+            return first
+        scalars = [i for i, v in enumerate(output) if isinstance(v, torch.Tensor) and v.dim() == 0]
+        hint = f" (e.g. output_loss={scalars[0]}, the scalar there)" if scalars else ""
+        raise TypeError(
+            f"without loss_fn the network must return its loss; it returned "
+            f"{_describe(output)}: say which entry is the loss with build_train_network("
+            f"..., output_loss=<index>){hint}, or pass a loss_fn"
+        )
     raise TypeError(
         f"without loss_fn the network must return its loss (a tensor, a dict with 'loss', or an "
-        f"object with .loss); got {type(output).__name__}"
+        f"object with .loss, or name it with output_loss=); it returned {_describe(output)}"
     )
+
+
+def _detached(output: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
+
+
+class StepMetrics(Mapping[str, Any]):
+    """A step's figures for logging, each read from the device only when looked up.
+
+    Keys: ``loss_scale`` (the scale the next step uses), ``skipped_steps``,
+    ``consecutive_overflows``, ``grad_norm`` (see :attr:`TrainStep.grad_norm`) and
+    ``overflow_module`` (with ``debug_overflow=True``, the module the last skipped step's
+    first non-finite value came from; None when not known).
+
+    Example:
+        >>> logger.log({k: v for k, v in step.metrics().items()})   # reads all: one wait
+    """
+
+    KEYS: ClassVar[tuple[str, ...]] = (
+        "loss_scale",
+        "skipped_steps",
+        "consecutive_overflows",
+        "grad_norm",
+        "overflow_module",
+    )
+
+    def __init__(self, step: TrainStep) -> None:
+        self._step = step
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.KEYS:
+            raise KeyError(f"{key!r} is not a step metric; the metrics are {list(self.KEYS)}")
+        if key == "overflow_module":
+            report = self._step.last_overflow_report
+            culprit = None if report is None else (report.forward or report.backward)
+            return None if culprit is None else culprit.module
+        return getattr(self._step, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.KEYS)
+
+    def __len__(self) -> int:
+        return len(self.KEYS)
+
+    def __repr__(self) -> str:
+        return f"StepMetrics({', '.join(self.KEYS)}; read on access)"
 
 
 def _fused_skip_ready(optimizer: torch.optim.Optimizer) -> bool:
@@ -162,6 +242,9 @@ class TrainStep(nn.Module):
         skipped_steps: how many optimizer steps were skipped so far.
         loss_scale: the loss scale the next step uses (1.0 without a manager).
         found_inf: the last step's overflow flag as a 0-dim float32 tensor (no sync).
+        grad_norm: the unscaled gradient norm of the last applied step (before clipping).
+        last_output: what the network returned for the last micro-batch, detached (the
+            logits for metrics, a recurrent state); None before the first call.
         last_overflow_report: with ``debug_overflow=True``, the
             :class:`~mixprec.diagnose.OverflowReport` of the last skipped step (the first
             non-finite module forward and backward, and a fix); None before a skip.
@@ -204,6 +287,9 @@ class TrainStep(nn.Module):
         self.hooks = hooks or StepHooks()
         self.optimizer_steps = 0
         self.found_inf = torch.zeros(())
+        self._grad_norm = torch.tensor(math.nan)  # the last applied step's, on the device
+        #: the network's output of the last micro-batch (detached; None before the first)
+        self.last_output: Any = None
         self._micro_step = 0
         self._ledger = StepLedger()
         self._warned = False
@@ -251,6 +337,22 @@ class TrainStep(nn.Module):
         return float(state.scale) if state is not None else float(manager.get_loss_scale())
 
     @property
+    def grad_norm(self) -> float:
+        """The L2 norm of the unscaled gradients of the last applied optimizer step (before
+        clipping; NaN before the first). Kept on the device; reading it waits for it."""
+        return float(self._grad_norm)
+
+    def metrics(self) -> StepMetrics:
+        """What a training loop logs, as a read-only mapping read lazily: nothing waits for
+        the device until a value is read (see :class:`StepMetrics`)."""
+        return StepMetrics(self)
+
+    def _total_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        if self.agreement.replicas.fsdp is not None:  # DTensors: torch reduces the shards
+            return torch.nn.utils.get_total_norm(grads)
+        return total_norm(grads)
+
+    @property
     def _warming_up(self) -> bool:
         return self.config.auto_loss_scale and self.optimizer_steps == 0
 
@@ -274,6 +376,7 @@ class TrainStep(nn.Module):
                     if self._debugger is not None:
                         self._batch = (tuple(net_inputs), kwargs, label)
                     output = self.agreement.run(self.network, *net_inputs, **kwargs)
+                    self.last_output = _detached(output)
                     loss = _as_loss(
                         self.loss_fn(
                             cast_tree(output, torch.float32), cast_tree(label, torch.float32)
@@ -283,9 +386,9 @@ class TrainStep(nn.Module):
                 else:
                     if self._debugger is not None:
                         self._batch = (inputs, kwargs, None)
-                    loss = _as_loss(
-                        _loss_of(self.agreement.run(self.network, *inputs, **kwargs)), "the network"
-                    )
+                    output = self.agreement.run(self.network, *inputs, **kwargs)
+                    self.last_output = _detached(output)
+                    loss = _as_loss(_loss_of(output, self.config.output_loss), "the network")
                 scale = self._scale_tensor(loss.device)
                 steps = self.config.accumulation_steps
                 if scale is not None:
@@ -341,6 +444,8 @@ class TrainStep(nn.Module):
         state = None if manager is None else manager.device_state()
         check = manager is None or manager.get_drop_overflow_update()
         device = grads[0].device if grads else self.found_inf.device
+        ledger = self._ledger.snapshot()
+        done = False
         try:
             with torch.no_grad():
                 local = [local_shard(g) for g in grads]  # FSDP2: each rank checks its own shard
@@ -363,6 +468,7 @@ class TrainStep(nn.Module):
             found, chosen = self.agreement.agree(
                 found, chosen, state, check, interval=self.LIMIT_CHECK_INTERVAL
             )
+            mark_unscaled(grads, found)
             self.found_inf = found
             if self.hooks.after_unscale is not None:
                 self.hooks.after_unscale(self, params)
@@ -381,8 +487,11 @@ class TrainStep(nn.Module):
             skipped = None if applied is None else not applied
             self.agreement.check(state, skipped=skipped, interval=interval)
             if applied is not False:
+                norm = self._total_norm(grads)
                 if self.config.clip_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
+                    torch.nn.utils.clip_grads_with_norm_(params, self.config.clip_grad_norm, norm)
+                last = self._grad_norm.to(norm.device)
+                self._grad_norm = norm if applied else torch.where(found > 0, last, norm)
                 self._optimizer_step(found if on_device else None)
                 if self.masters is not None:
                     self.masters.refresh()
@@ -395,10 +504,14 @@ class TrainStep(nn.Module):
                 self._debugger.after_skip(
                     self.network, inputs, kwargs, self.loss_fn, label, loss_scale=used
                 )
+            done = True
             if applied is False and self.hooks.after_skip is not None:
                 self.hooks.after_skip(self)
         finally:
-            self.optimizer_steps += 1
+            if done:  # a step whose optimizer (or anything before it) raised is not counted
+                self.optimizer_steps += 1
+            else:
+                self._ledger.restore(ledger)
             if self.masters is not None:
                 self.masters.step_done()
             self.optimizer.zero_grad(set_to_none=True)
@@ -444,9 +557,12 @@ class TrainStep(nn.Module):
             return
         run = self._ledger.read()[2]
         if run > self.MAX_CONSECUTIVE_OVERFLOWS:
+            manager = self.loss_scale_manager
+            state = None if manager is None else manager.device_state()
+            fixed = state is not None and not state.dynamic and not self._warming_up
             raise RuntimeError(
                 "mixprec training step: "
-                + overflow_limit_message(run, min(self.loss_scale, FLOAT32_MAX))
+                + overflow_limit_message(run, min(self.loss_scale, FLOAT32_MAX), fixed=fixed)
             )
         if run >= self.OVERFLOW_WARNING_AFTER and not self._warned:
             self._warned = True
