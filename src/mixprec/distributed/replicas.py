@@ -1,7 +1,8 @@
 """The ranks a training step agrees with, and what they agree on.
 
-Every optimizer step under ``torch.distributed`` all-reduces (MAX) one small vector over
-the step's process group::
+An optimizer step under ``torch.distributed`` all-reduces (MAX) one small vector over the
+step's process group (under DDP only on the first and every 50th step: DDP's all-reduced
+gradients already carry every rank's inf/NaN)::
 
     [found_inf, -first_scale, scale, -scale, good_steps, -good_steps, bad_steps, -bad_steps]
 
@@ -9,8 +10,9 @@ so that every rank skips the same steps (``found_inf``, from each rank's own gra
 under FSDP, its own shard), an fp16 step's first scale is the smallest any rank chose,
 and the loss-scale state is compared for free: ``max(x) == -max(-x)`` exactly when every
 rank holds the same ``x``. Ranks that disagree skip the step together (nothing diverges)
-and raise at the next host read, with every rank's values. The configuration (level,
-dtype, what ``auto`` chose) is compared once, when the step is built.
+and raise together, with every rank's values. The configuration (level, dtype, what
+``auto`` chose, the loss-scale state, pins, boost choices, ...) is compared once, when the
+step is built; boost's timed optimizer-kernel choice is the first rank's on every rank.
 
 The process group is, in order: the ``process_group`` passed in, the
 ``DistributedDataParallel``'s own group, the FSDP2 device mesh's groups (one all-reduce

@@ -20,8 +20,9 @@ to drop); refresh of the low-precision weights; the loss-scale update on the dev
 
 Under ``torch.distributed`` (:mod:`mixprec.distributed`): the step calls the user's DDP
 wrapper (left as it was) with the converted network in place for the call, reduces
-gradients on the last micro-batch only (``no_sync`` before it), agrees with its process
-group in one all-reduce per optimizer step, and joins uneven inputs (``step.join()``): all
+gradients on the last micro-batch only (``no_sync`` before it; FSDP2 every micro-batch),
+agrees with its process group (under DDP from the all-reduced gradients, otherwise in one
+all-reduce per optimizer step), and joins uneven inputs (``step.join()``): all
 through the replica agreement it holds (``step.agreement``, :mod:`mixprec.distributed.step`).
 
 Host syncs: at most one per optimizer step (reading the overflow flag before the optimizer
