@@ -386,7 +386,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run(_scenarios, tmp_path_factory.mktemp("ddp"))
+    return run(_scenarios, tmp_path_factory.mktemp("ddp"), bound=300.0)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
