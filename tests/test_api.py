@@ -35,11 +35,15 @@ PUBLIC = {
     "build_train_network",
     "calibrate",
     "custom_mixed_precision",
+    "dtype_name",
     "explain",
     "find_overflow",
     "get_black_list",
     "get_white_list",
+    "is_native",
     "lint",
+    "low_precision_parameters",
+    "reuse_weight_casts",
     "unscale_",
 }
 
@@ -261,3 +265,28 @@ def test_more_option_errors() -> None:
         match=r"fp32_modules names 'zzz', which is not a module of the network; its modules are 'net', 'net.0'",
     ):
         amp.auto_mixed_precision(model, "O1", fp32_modules=["zzz"])
+
+
+def test_the_0_1_gradient_helpers_still_import_with_a_deprecation_warning() -> None:
+    import mixprec.training.grads as grads
+
+    with pytest.warns(DeprecationWarning, match="unscale_grads_ is deprecated.*mixprec.unscale_"):
+        old = grads.unscale_grads_
+    g = [torch.full((2,), 4.0)]
+    with pytest.warns(DeprecationWarning, match="inverse_scale is deprecated"):
+        inverse = grads.inverse_scale(torch.tensor(4.0))
+    assert float(old(g, inverse)) == 0.0
+    assert torch.equal(g[0], torch.ones(2))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        grads.nothing  # noqa: B018
+
+
+def test_every_deep_path_the_docs_teach_is_public_at_the_top() -> None:
+    import mixprec.convert.cast_at_use as cast_at_use
+    import mixprec.policy.dtypes as dtypes
+    import mixprec.policy.hardware as hardware
+
+    assert amp.reuse_weight_casts is cast_at_use.reuse_weight_casts
+    assert amp.low_precision_parameters is cast_at_use.low_precision_parameters
+    assert amp.dtype_name is dtypes.dtype_name
+    assert amp.is_native is hardware.is_native

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from mixprec.training.grads import all_finite, inverse_scale, unscale_grads_
+from mixprec.training.grads import _inverse_scale, _unscale_grads, all_finite
 from mixprec.training.scaling import (
     DynamicLossScaleManager,
     DynamicLossScaler,
@@ -447,14 +447,14 @@ BAD_ARGUMENTS = [
     ("all-finite-item", lambda: all_finite([torch.ones(1), 3.0]), TypeError, "tensors", "3.0"),
     (
         "unscale-int-grad",
-        lambda: unscale_grads_([torch.ones(2, dtype=torch.int64)], torch.tensor(1.0)),
+        lambda: _unscale_grads([torch.ones(2, dtype=torch.int64)], torch.tensor(1.0)),
         TypeError,
         "grads",
         "torch.int64",
     ),
     (
         "unscale-float-inv",
-        lambda: unscale_grads_([torch.ones(2)], 0.5),
+        lambda: _unscale_grads([torch.ones(2)], 0.5),
         TypeError,
         "inv_scale",
         "0.5",
@@ -535,17 +535,17 @@ def test_all_finite_sparse() -> None:
 
 def test_unscale_grads_sparse() -> None:
     grad = torch.sparse_coo_tensor([[1, 3]], [8.0, 16.0], (4,), check_invariants=True)
-    assert unscale_grads_([grad], torch.tensor(0.125)).item() == 0.0
+    assert _unscale_grads([grad], torch.tensor(0.125)).item() == 0.0
     assert torch.equal(grad.to_dense(), torch.tensor([0.0, 1.0, 0.0, 2.0]))
     bad = torch.sparse_coo_tensor([[0]], [NAN], (2,), check_invariants=True)
-    assert unscale_grads_([grad, bad], torch.tensor(1.0)).item() == 1.0
+    assert _unscale_grads([grad, bad], torch.tensor(1.0)).item() == 1.0
 
 
 def test_inverse_scale_in_float64() -> None:
-    inv = inverse_scale(torch.tensor(3.0))
+    inv = _inverse_scale(torch.tensor(3.0))
     assert inv.dtype == torch.float32
     assert inv.item() == torch.tensor(1 / 3, dtype=torch.float32).item()
-    assert inverse_scale(torch.tensor(1024.0)).item() == 2.0**-10
+    assert _inverse_scale(torch.tensor(1024.0)).item() == 2.0**-10
 
 
 @pytest.mark.parametrize("exponent", [0, 10, 24], ids=lambda e: f"scale=2**{e}")
@@ -553,7 +553,7 @@ def test_unscale_grads_exact_for_powers_of_two(exponent: int) -> None:
     scale = torch.tensor(2.0**exponent)
     originals = [torch.randn(5, 3), torch.randn(7, dtype=torch.float64), torch.randn(())]
     grads = [g * scale.to(g.dtype) for g in originals]
-    found_inf = unscale_grads_(grads, inverse_scale(scale))
+    found_inf = _unscale_grads(grads, _inverse_scale(scale))
     assert found_inf.dtype == torch.float32
     assert found_inf.dim() == 0
     assert found_inf.item() == 0.0
@@ -565,7 +565,7 @@ def test_unscale_grads_exact_for_powers_of_two(exponent: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_unscale_grads_reports_overflow(bad: float, dtype: torch.dtype) -> None:
     grads = [torch.full((3,), 4.0, dtype=dtype), torch.tensor([8.0, bad], dtype=dtype)]
-    found_inf = unscale_grads_(grads, torch.tensor(0.25))
+    found_inf = _unscale_grads(grads, torch.tensor(0.25))
     assert found_inf.item() == 1.0
     assert grads[0].dtype == dtype
     assert torch.equal(grads[0], torch.ones(3, dtype=dtype))
@@ -578,12 +578,12 @@ def test_unscale_grads_fp16_and_mixed_dtypes() -> None:
         None,
         torch.tensor([4096.0]),
     ]
-    found_inf = unscale_grads_(grads, inverse_scale(torch.tensor(1024.0)))
+    found_inf = _unscale_grads(grads, _inverse_scale(torch.tensor(1024.0)))
     assert found_inf.item() == 0.0
     assert torch.equal(grads[0], torch.tensor([2.0, -1 / 1024], dtype=torch.float16))
     assert grads[1].item() == 1.0
     assert grads[3].item() == 4.0
-    assert unscale_grads_([], torch.tensor(1.0)).item() == 0.0
+    assert _unscale_grads([], torch.tensor(1.0)).item() == 0.0
 
 
 # --- no host synchronization --------------------------------------------------------------------
@@ -612,7 +612,7 @@ def test_tensor_paths_never_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     with forbid_host_sync(monkeypatch):
         grads = [torch.full((3,), 8.0), torch.tensor([1.0, INF], dtype=torch.float16)]
         finite = all_finite(grads)
-        found_inf = unscale_grads_(grads, inverse_scale(torch.tensor(8.0)))
+        found_inf = _unscale_grads(grads, _inverse_scale(torch.tensor(8.0)))
         scaler = DynamicLossScaler(1024, scale_factor=2, scale_window=3)
         loss = scaler.scale(torch.tensor(1.0))
         unscaled = scaler.unscale({"g": torch.tensor([2048.0])})

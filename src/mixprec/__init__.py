@@ -12,6 +12,7 @@ from mixprec.convert.api import (
     get_black_list,
     get_white_list,
 )
+from mixprec.convert.cast_at_use import low_precision_parameters, reuse_weight_casts
 from mixprec.convert.plan import CastPlan, explain
 from mixprec.diagnose import (
     CalibrationReport,
@@ -21,6 +22,8 @@ from mixprec.diagnose import (
     find_overflow,
     lint,
 )
+from mixprec.policy.dtypes import dtype_name
+from mixprec.policy.hardware import is_native
 from mixprec.policy.levels import Level
 from mixprec.training.build import build_train_network
 from mixprec.training.grads import all_finite, unscale_
@@ -54,11 +57,15 @@ __all__ = [
     "build_train_network",
     "calibrate",
     "custom_mixed_precision",
+    "dtype_name",
     "explain",
     "find_overflow",
     "get_black_list",
     "get_white_list",
+    "is_native",
     "lint",
+    "low_precision_parameters",
+    "reuse_weight_casts",
     "unscale_",
 ]
 

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from mixprec._warn import warn
-from mixprec.training.grads import inverse_scale, unscale_grads_
+from mixprec.training.grads import _inverse_scale, _unscale_grads
 from mixprec.training.scale_state import (
     LossScaleState,
     check_count,
@@ -186,7 +186,8 @@ class GroupLossScaleManager(LossScaleManager):
             by_group[self._group_of.get(id(p), last)].append(p.grad)
         device = self._core.scale.device
         found = [
-            unscale_grads_(grads, inverse_scale(self._scale(g))) for g, grads in enumerate(by_group)
+            _unscale_grads(grads, _inverse_scale(self._scale(g)))
+            for g, grads in enumerate(by_group)
         ]
         flags = torch.stack([f.to(device) for f in found])
         flags = torch.maximum(flags, self._boundary_bad.to(device))
@@ -197,6 +198,27 @@ class GroupLossScaleManager(LossScaleManager):
     def reset_flags(self) -> None:
         """Forget boundary flags of an abandoned backward."""
         self._boundary_bad = torch.zeros_like(self._boundary_bad)
+
+    # ------------------------------------------------------------------ the step's protocol
+    def check_network(self, network: nn.Module) -> None:
+        check_boundaries(network, self._groups)
+
+    def unscale_step(
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        inverse: torch.Tensor,
+        agree: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> torch.Tensor:
+        del grads, inverse  # each group by its own scale
+        return self.unscale_(params, agree)
+
+    def abandon(self) -> None:
+        self.reset_flags()
+
+    def update_on_device(self, found: torch.Tensor, chosen: torch.Tensor | None) -> None:
+        del found, chosen  # the per-group flags of the last unscale_step decide
+        self.adjust_groups()
 
     def adjust_groups(self) -> None:
         """Apply the rule per group from the last :meth:`unscale_`: only the culprit (the

@@ -16,15 +16,12 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
 
 from mixprec._warn import warn
-from mixprec.boost.config import BoostLevel, parse_boost_config
-from mixprec.boost.group_scale import GroupLossScaleManager, check_boundaries
-from mixprec.boost.plan import plan_boost
 from mixprec.convert.api import check_network, convert
 from mixprec.distributed.replicas import Replicas, ddp_of, find_replicas, fsdp_of, plain
 from mixprec.distributed.shard import check_sharded_step
@@ -33,6 +30,9 @@ from mixprec.policy.levels import Level, Pins, Precision, Recipe, resolve
 from mixprec.training.master import MasterWeights
 from mixprec.training.scaling import DynamicLossScaleManager, LossScaleManager
 from mixprec.training.step import StepHooks, TrainConfig, TrainStep, _fused_skip_ready
+
+if TYPE_CHECKING:
+    from mixprec.boost.config import BoostLevel
 
 __all__ = ["DEFAULT", "UnsupportedArgError", "build_train_network"]
 
@@ -331,6 +331,10 @@ def build_train_network(
         )
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None; got {loss_fn!r}")
+    # the boost wing sits above this floor: imported when a step is built
+    from mixprec.boost.config import BoostLevel, parse_boost_config
+    from mixprec.boost.plan import plan_boost
+
     boost = BoostLevel.parse(boost_level, "boost_level")
     boost_options = parse_boost_config(boost_config)
     manager = loss_scale_manager
@@ -361,8 +365,8 @@ def build_train_network(
         fp32_modules,
         low_modules,
     )
-    if isinstance(manager, GroupLossScaleManager):
-        check_boundaries(inner, manager.loss_scale_groups)
+    if isinstance(manager, LossScaleManager):
+        manager.check_network(inner)
     pins = {"fp32_modules": fp32_modules, "low_modules": low_modules}
     options = {**pins, "keep_batchnorm_fp32": keep_batchnorm_fp32}
     _check_wrapped(inner, replicas, config, emulate, options)
@@ -374,7 +378,7 @@ def build_train_network(
         if not config.master_weights:
             _repoint(optimizer, masters)
             masters = None
-    if isinstance(manager, GroupLossScaleManager):
+    if isinstance(manager, LossScaleManager):
         pairs = [] if masters is None else list(zip(masters.masters, masters.lows, strict=True))
         manager.attach(converted, pairs)
     plan = plan_boost(boost, boost_options, converted, optimizer, ddp, masters)

@@ -1,7 +1,7 @@
 """Gradient checks: is anything non-finite, unscaling and the gradient norm, on the device.
 
 :func:`unscale_` (public as ``mixprec.unscale_``), :func:`all_finite`,
-:func:`found_non_finite`, :func:`unscale_grads_` and :func:`total_norm` never synchronize
+:func:`found_non_finite`, :func:`_unscale_grads` and :func:`total_norm` never synchronize
 with the host (fused foreach kernels per device and dtype). Complex tensors are checked
 and unscaled through their real view (an inf in either part counts); sparse ones through
 their values.
@@ -15,16 +15,30 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "all_finite",
-    "found_non_finite",
-    "inverse_scale",
-    "mark_unscaled",
-    "to_device",
-    "total_norm",
-    "unscale_",
-    "unscale_grads_",
-]
+__all__ = ["all_finite", "found_non_finite", "mark_unscaled", "to_device", "total_norm", "unscale_"]
+
+#: names that were public here in mixprec 0.1, each with what replaces it
+_DEPRECATED = {
+    "unscale_grads_": ("_unscale_grads", "mixprec.unscale_(params, scale)"),
+    "inverse_scale": ("_inverse_scale", "mixprec.unscale_(params, scale)"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The 0.1 names, for one release, with a DeprecationWarning."""
+    if name in _DEPRECATED:
+        import warnings
+
+        private, instead = _DEPRECATED[name]
+        warnings.warn(
+            f"mixprec.training.grads.{name} is deprecated and will be removed in the next "
+            f"release; use {instead}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[private]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: the attribute a gradient unscaled by :func:`unscale_` carries: (its version after the
 #: unscale, the found_inf of that call)
@@ -96,29 +110,29 @@ def all_finite(tensors: Iterable[torch.Tensor | None] | torch.Tensor) -> torch.T
     return torch.stack([to_device(f, home) for f in flags]).all()
 
 
-def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
+def _inverse_scale(scale: torch.Tensor) -> torch.Tensor:
     """``1 / scale`` computed in float64 and returned as float32 (as GradScaler does).
 
     Example:
-        >>> inverse_scale(torch.tensor(4.0))
+        >>> _inverse_scale(torch.tensor(4.0))
         tensor(0.2500)
     """
     return scale.double().reciprocal().float()
 
 
-def unscale_grads_(grads: Sequence[torch.Tensor | None], inv_scale: torch.Tensor) -> torch.Tensor:
+def _unscale_grads(grads: Sequence[torch.Tensor | None], inv_scale: torch.Tensor) -> torch.Tensor:
     """Multiply every gradient by ``inv_scale`` in place and report inf/NaN (no host sync).
 
     One fused ``torch._amp_foreach_non_finite_check_and_unscale_`` per (device, dtype) group.
     ``None`` entries are skipped; sparse gradients are unscaled through their values.
 
     ``grads`` may be on any devices, in any floating dtypes; ``inv_scale`` is a one-element
-    tensor, usually :func:`inverse_scale` of the loss scale. Returns ``found_inf``: a 0-dim
+    tensor, usually :func:`_inverse_scale` of the loss scale. Returns ``found_inf``: a 0-dim
     float32 tensor on ``inv_scale``'s device, 1.0 if any gradient held an inf/NaN, else 0.0.
 
     Example:
         >>> g = [torch.full((2,), 1024.0)]
-        >>> unscale_grads_(g, inverse_scale(torch.tensor(1024.0))), g[0]
+        >>> _unscale_grads(g, _inverse_scale(torch.tensor(1024.0))), g[0]
         (tensor(0.), tensor([1., 1.]))
     """
     if not isinstance(inv_scale, torch.Tensor) or inv_scale.numel() != 1:
@@ -228,7 +242,7 @@ def unscale_(optimizer_or_params: object, scale: float | torch.Tensor) -> torch.
         else:
             fresh.append(g)
     if fresh:
-        found = unscale_grads_(fresh, inverse_scale(to_device(scale_t, device))).bool()
+        found = _unscale_grads(fresh, _inverse_scale(to_device(scale_t, device))).bool()
         mark_unscaled(fresh, found)
         flags.append(found)
     if not flags:

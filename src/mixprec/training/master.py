@@ -13,11 +13,12 @@ optimizer was built on) become the float32 *masters*:
 
 One source of truth: before every forward of the converted model (through the step or
 called directly), :meth:`MasterWeights.sync` looks at the version
-counters of both copies. A write to a master (``model.load_state_dict``, an in-place edit, a
+counters and ``requires_grad`` of both copies (freezing or unfreezing either copy after the
+build freezes or unfreezes both). A write to a master (``model.load_state_dict``, an in-place edit, a
 weight fixed after it went inf) is copied to the low copy; a write to a low copy alone
 (``step.network.load_state_dict`` with low-precision values) is copied up to the master.
 Loading higher-precision values into ``step.network`` writes them to the masters directly, so
-nothing is lost to the low dtype.
+nothing is lost to the low dtype; ``step.network.state_dict()`` holds the float32 masters.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class MasterWeights:
         self._accumulating = False
         self._has_grad: list[bool] = []
         self._seen: list[tuple[tuple[int, int], tuple[int, int]]] = []
+        #: requires_grad as last agreed by both copies (a change to either one wins)
+        self._trained = [master.requires_grad for master in self.masters]
         self._record()
 
     @classmethod
@@ -86,6 +89,7 @@ class MasterWeights:
         for owner, names in owners.values():
             hook = functools.partial(_load_masters_first, names, master_of)
             owner.register_load_state_dict_pre_hook(hook)
+            owner.register_state_dict_post_hook(functools.partial(_save_masters, names, master_of))
 
     # ---------------------------------------------------------------- one source of truth
     def _record(self) -> None:
@@ -97,6 +101,12 @@ class MasterWeights:
         written low copy (copied up to its master)."""
         changed = False
         for i, (master, low) in enumerate(zip(self.masters, self.lows, strict=True)):
+            if master.requires_grad != low.requires_grad:  # frozen or unfrozen after build
+                if master.requires_grad != self._trained[i]:
+                    low.requires_grad_(master.requires_grad)
+                else:
+                    master.requires_grad_(low.requires_grad)
+                self._trained[i] = master.requires_grad
             seen_master, seen_low = self._seen[i]
             if _key(master) != seen_master:
                 low.copy_(master)
@@ -189,6 +199,26 @@ class MasterWeights:
 
 
 @torch.no_grad()
+def _save_masters(
+    names: list[str],
+    master_of: dict[int, torch.Tensor],
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+) -> None:
+    """``step.network.state_dict()`` holds the float32 masters (the trained truth), not
+    the low copies the forward computes with; ``keep_vars=True`` gives the master Parameters."""
+    del local_metadata
+    for name in names:
+        key = prefix + name
+        low = module._parameters.get(name)
+        master = None if low is None else master_of.get(id(low))
+        if master is not None and key in state_dict:
+            kept = isinstance(state_dict[key], nn.Parameter)
+            state_dict[key] = master if kept else master.detach()
+
+
 def _load_masters_first(
     names: list[str],
     master_of: dict[int, torch.Tensor],
@@ -210,4 +240,5 @@ def _load_masters_first(
             and value.dtype != low.dtype
             and value.shape == master.shape
         ):
-            master.copy_(value)
+            with torch.no_grad():
+                master.copy_(value)

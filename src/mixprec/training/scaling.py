@@ -16,13 +16,14 @@ configuration as numbers), validated before anything is written.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from mixprec.training.grads import inverse_scale, to_device
+from mixprec.training.grads import _inverse_scale, _unscale_grads, to_device
 from mixprec.training.scale_state import (
     Check,
     LossScaleState,
@@ -155,7 +156,7 @@ class _TensorScaler(LossScaler):
         return _mul_floating(inputs, self._core.scale)
 
     def unscale(self, inputs: Any) -> Any:
-        return _mul_floating(inputs, inverse_scale(self._core.scale))
+        return _mul_floating(inputs, _inverse_scale(self._core.scale))
 
 
 class StaticLossScaler(_TensorScaler):
@@ -274,6 +275,50 @@ class LossScaleManager(_Adapter):
 
     def _to(self, device: torch.device) -> None:
         self._core = self._core.to(device)
+
+    # ------------------------------------------------------------------ the step's protocol
+    # What the training step asks of every manager (each a harmless default here, so
+    # Fixed, Dynamic and user subclasses need nothing; GroupLossScaleManager overrides them).
+    def check_network(self, network: nn.Module) -> None:
+        """Refuse a network this policy cannot scale (before conversion); by default any."""
+        del network
+
+    def attach(
+        self, network: nn.Module, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+    ) -> None:
+        """Wire the policy into the converted network (``pairs``: (master, low copy)
+        Parameters); by default nothing."""
+        del network, pairs
+
+    def unscale_step(
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        inverse: torch.Tensor,
+        agree: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Unscale one optimizer step's gradients in place; returns its overflow flag (a
+        0-dim float32 tensor, no sync). ``grads`` are ``params``' gradients (their local
+        shards under FSDP2), ``inverse`` is ``1 / scale``; ``agree`` all-reduces (MAX)
+        per-part flags across ranks for a policy that keeps several (None in one process)."""
+        del params, agree
+        return _unscale_grads(grads, inverse)
+
+    def abandon(self) -> None:
+        """A backward was abandoned (an exception, a skip): forget what it recorded."""
+
+    def update_on_device(self, found: torch.Tensor, chosen: torch.Tensor | None) -> None:
+        """Apply the rule after an optimizer step whose agreed overflow flag is ``found``
+        (``chosen``: the first scale picked from the gradients, or None). No host sync;
+        only called when :meth:`device_state` is not None."""
+        state = self.device_state()
+        assert state is not None
+        finite = found == 0
+        if chosen is not None:
+            after = state.adjust(finite)
+            state.assign(dataclasses.replace(after, scale=torch.where(finite, chosen, after.scale)))
+        else:
+            state.assign(state.adjust(finite))
 
     def __repr__(self) -> str:
         parts = {name: float(getattr(self._core, part)) for name, part in self._STATE.items()}

@@ -36,20 +36,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from mixprec._warn import warn
-from mixprec.boost.group_scale import GroupLossScaleManager
-from mixprec.boost.plan import BoostPlan
 from mixprec.distributed.replicas import Replicas
 from mixprec.distributed.step import Agreement, local_shard, without_ddp_prefix
 from mixprec.policy.levels import Level
 from mixprec.policy.ops import cast_tree
-from mixprec.training.grads import inverse_scale, mark_unscaled, total_norm, unscale_grads_
+from mixprec.training.grads import _inverse_scale, _unscale_grads, mark_unscaled, total_norm
 from mixprec.training.master import MasterWeights
 from mixprec.training.scale_state import FLOAT32_MAX
 from mixprec.training.scaling import LossScaleManager, overflow_limit_message
@@ -60,6 +58,9 @@ from mixprec.training.step_state import (
     choose_initial_scale,
     settled_initial_scale,
 )
+
+if TYPE_CHECKING:
+    from mixprec.boost.plan import BoostPlan
 
 __all__ = ["StepHooks", "StepMetrics", "TrainConfig", "TrainStep"]
 
@@ -426,8 +427,8 @@ class TrainStep(nn.Module):
     def _abandon(self) -> None:
         """Drop every gradient of an abandoned step (and its accumulation)."""
         self._micro_step = 0
-        if isinstance(self.loss_scale_manager, GroupLossScaleManager):
-            self.loss_scale_manager.reset_flags()
+        if self.loss_scale_manager is not None:
+            self.loss_scale_manager.abandon()
         if self.masters is not None:
             self.masters.clear_grads()
         self.optimizer.zero_grad(set_to_none=True)
@@ -453,19 +454,18 @@ class TrainStep(nn.Module):
             scale = None if self._warming_up else self._scale_tensor(device)
             # one fused pass unscales and checks; with no scale it multiplies by exactly 1,
             # which on CPU is several times faster than an inf-norm reduction
-            inverse = torch.ones((), device=device) if scale is None else inverse_scale(scale)
+            inverse = torch.ones((), device=device) if scale is None else _inverse_scale(scale)
             chosen = None
-            if isinstance(manager, GroupLossScaleManager):  # each group by its own scale
+            if manager is None:
+                found = _unscale_grads(local, inverse)
+            else:
                 replicas = self.agreement.replicas
                 by_gradients = self.agreement.by_gradients  # DDP: already the same everywhere
-                found = manager.unscale_(
-                    params,
-                    replicas.all_reduce_max if replicas.active and not by_gradients else None,
-                )
-            else:
-                found = unscale_grads_(local, inverse)
-                if self._warming_up and state is not None and state.dynamic:
-                    chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
+                active = replicas.active and not by_gradients
+                agree = replicas.all_reduce_max if active else None
+                found = manager.unscale_step(params, local, inverse, agree)
+            if self._warming_up and state is not None and state.dynamic:
+                chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
             found, chosen = self.agreement.agree(
                 found, chosen, state, check, interval=self.LIMIT_CHECK_INTERVAL
             )
@@ -542,16 +542,8 @@ class TrainStep(nn.Module):
         if state is None:
             manager.update_loss_scale(self._ledger.read()[0])
             return
-        if isinstance(manager, GroupLossScaleManager):
-            manager.adjust_groups()
-            return
-        finite = found == 0
-        if chosen is not None:
-            chosen = settled_initial_scale(chosen)
-            after = state.adjust(finite)
-            state.assign(dataclasses.replace(after, scale=torch.where(finite, chosen, after.scale)))
-        else:
-            state.assign(state.adjust(finite))
+        settled = None if chosen is None else settled_initial_scale(chosen)
+        manager.update_on_device(found, settled)
 
     def _check_limits(self, known: bool) -> None:
         if not known and self.optimizer_steps % self.LIMIT_CHECK_INTERVAL:

@@ -1,0 +1,87 @@
+"""The loss-scale protocol the training step drives, exercised by every manager: Dynamic,
+Fixed, Group and none (no manager). The step asks nothing else of a manager."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as amp
+from mixprec.training.grads import _inverse_scale
+
+MANAGERS: dict[str, Callable[[], Any]] = {
+    "dynamic": lambda: amp.DynamicLossScaleManager(2.0**10, 2, 100),
+    "fixed": lambda: amp.FixedLossScaleManager(2.0**10),
+    "group": lambda: amp.GroupLossScaleManager(2.0**10, [["0"], ["2"]], scale_window=100),
+    "none": lambda: None,
+}
+#: the scale after one clean step and then one overflowing step
+AFTER_OVERFLOW = {"dynamic": 2.0**9, "fixed": 2.0**10, "group": 2.0**9, "none": 1.0}
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+
+
+def _batch(poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+    if poison:
+        x[0, 0] = math.inf
+    return x, y
+
+
+@pytest.mark.parametrize("name", list(MANAGERS))
+def test_every_manager_drives_the_same_step(name: str) -> None:
+    model = _mlp()
+    manager = MANAGERS[name]()
+    step = amp.build_train_network(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        nn.CrossEntropyLoss(),
+        level="O0",
+        loss_scale_manager=manager,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    step(*_batch())
+    assert not step.overflow
+    assert step.loss_scale == (1.0 if manager is None else 2.0**10)
+    moved = [p.detach().clone() for p in model.parameters()]
+    assert all(not torch.equal(a, b) for a, b in zip(before, moved, strict=True))
+    step(*_batch(poison=True))
+    assert step.overflow
+    assert step.skipped_steps == 1
+    assert step.loss_scale == AFTER_OVERFLOW[name]
+    assert all(torch.equal(a, b) for a, b in zip(moved, model.parameters(), strict=True))
+    step(*_batch())  # trains again
+    assert not step.overflow
+    assert step.optimizer_steps == 3
+
+
+@pytest.mark.parametrize("name", [n for n in MANAGERS if n != "none"])
+def test_the_protocol_methods_directly(name: str) -> None:
+    model = _mlp()
+    manager = MANAGERS[name]()
+    manager.check_network(model)
+    manager.attach(model)
+    scale = manager.device_state().scale
+    (nn.CrossEntropyLoss()(model(_batch()[0]), _batch()[1]) * scale).backward()
+    params = list(model.parameters())
+    expected = [p.grad / scale for p in params]
+    found = manager.unscale_step(
+        params, [p.grad for p in params], _inverse_scale(scale), agree=None
+    )
+    assert found.dtype == torch.float32
+    assert found.dim() == 0
+    assert float(found) == 0.0
+    for p, want in zip(params, expected, strict=True):
+        torch.testing.assert_close(p.grad, want)
+    manager.abandon()
+    manager.update_on_device(found, None)
+    assert manager.get_loss_scale() == 2.0**10  # one clean step of a 100-step window

@@ -1,0 +1,66 @@
+"""Master weights follow the user's writes: requires_grad changes after the build, and
+``step.network.state_dict()`` holds the float32 masters (O2 and O3, bf16 and fp16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as amp
+
+CASES = [("O2", "bfloat16"), ("O2", "float16"), ("O3", "bfloat16"), ("O3", "float16")]
+
+
+def _build(level: str, dtype: str) -> tuple[amp.TrainStep, nn.Sequential]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3))
+    step = amp.build_train_network(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        nn.CrossEntropyLoss(),
+        level=level,
+        dtype=dtype,
+        loss_scale_manager=None,
+    )
+    return step, model
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+@pytest.mark.parametrize(("level", "dtype"), CASES)
+@pytest.mark.parametrize("through", ["model", "network"])
+def test_freezing_and_unfreezing_after_build_are_followed(
+    level: str, dtype: str, through: str
+) -> None:
+    step, model = _build(level, dtype)
+    layer = model[0] if through == "model" else step.network[0]
+    layer.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    trained = model[2].weight.detach().clone()
+    step(*_batch())
+    assert torch.equal(model[0].weight, frozen)
+    assert not torch.equal(model[2].weight, trained)
+    layer.requires_grad_(True)  # unfrozen later: it trains again
+    step(*_batch())
+    assert not torch.equal(model[0].weight, frozen)
+
+
+@pytest.mark.parametrize(("level", "dtype"), CASES)
+def test_network_state_dict_holds_the_float32_masters(level: str, dtype: str) -> None:
+    step, model = _build(level, dtype)
+    for _ in range(2):
+        step(*_batch())
+    saved = step.network.state_dict()
+    assert all(v.dtype == torch.float32 for v in saved.values())
+    restored = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3))
+    restored.load_state_dict(saved)
+    for got, want in zip(restored.parameters(), model.parameters(), strict=True):
+        assert torch.equal(got, want)
+    again, again_model = _build(level, dtype)  # and the step loads it back exactly
+    again.network.load_state_dict(saved)
+    for got, want in zip(again_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(got, want)
