@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import mixprec as amp
-from helpers import MLP, TinyTransformer
+from mixprec.cli.models import TinyMLP, TinyTransformer
 
 try:
     from mixprec.convert.cast_at_use import reuse_weight_casts
@@ -58,7 +55,7 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     models: list[tuple[str, nn.Module, dict[str, Any] | tuple[Any, ...]]] = [
-        ("MLP 16-32-32-8", MLP(), (torch.randn(8, 16),)),
+        ("MLP 16-32-32-8", TinyMLP(), (torch.randn(8, 16),)),
         ("Embedding + encoder", TinyTransformer().eval(), (torch.randint(0, 50, (4, 10)),)),
         ("BERT 2x32 (transformers)", *_bert()),
     ]

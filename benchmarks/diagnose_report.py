@@ -4,10 +4,8 @@ calibrate on tiny random BERT and GPT-2 models (hidden 32, 2 layers, batch 2x8).
 Run from the repository root: ``python benchmarks/diagnose_report.py``.
 """
 
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 import transformers
@@ -15,11 +13,17 @@ from torch import nn
 
 import mixprec
 from mixprec.cli.models import TinyMLP
+from mixprec.cli.planted import (
+    DivZero,
+    HandRMSNorm,
+    LogNeg,
+    MaskedAttention,
+    sensitive_model,
+    tiny_bert,
+)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the planted models
-from test_calibrate import sensitive_model
-from test_diagnose_overflow import DivZero, LogNeg, X, tiny_bert
-from test_lint import HandRMSNorm, MaskedAttention
+X = torch.linspace(-2, 2, 12).reshape(3, 4)
+
 
 warnings.filterwarnings("ignore")
 transformers.logging.set_verbosity_error()

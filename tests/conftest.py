@@ -45,8 +45,14 @@ REAL_CPU_FEATURES = hardware.cpu_features
 
 
 def fake_cpu(monkeypatch: pytest.MonkeyPatch, features: hardware.CpuFeatures) -> None:
-    """Make the hardware probe describe ``features`` (and forget earlier warnings)."""
-    monkeypatch.setattr(hardware, "cpu_features", lambda: features)
+    """Make the hardware probe describe ``features`` (and forget earlier warnings), in
+    :mod:`mixprec.policy.hardware` and in every mixprec module that imported the probe by
+    name (:mod:`mixprec.policy.dtypes`, whose slow-dtype warning describes the CPU, ...)."""
+    fake = lambda: features  # noqa: E731
+    users = [m for n, m in sys.modules.items() if n.startswith("mixprec") and m is not None]
+    for module in {hardware, dtypes, *users}:
+        if hasattr(module, "cpu_features"):
+            monkeypatch.setattr(module, "cpu_features", fake)
     dtypes._warn_slow_once.cache_clear()
 
 

@@ -6,31 +6,12 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import mixprec
 from helpers import rel_error
+from mixprec.cli.planted import sensitive_model
 from mixprec.diagnose.calibrate import relative_error
-
-
-class Offset(nn.Module):
-    """x -> W(x + 3000) - 3000 W 1: exact in float32, ruined by rounding x + 3000 in low
-    precision (float16 steps of 2 there)."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x + 3000.0, self.weight) - 3000.0 * self.weight.sum(1)
-
-
-def sensitive_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(8, 16), nn.ReLU(), Offset(16), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
-    )
 
 
 def test_pins_exactly_the_sensitive_layer_and_meets_the_tolerance() -> None:
@@ -151,3 +132,13 @@ def test_bad_arguments(kwargs: dict, error: type[Exception], match: str) -> None
 def test_needs_a_batch() -> None:
     with pytest.raises(ValueError, match="calibrate needs at least one batch"):
         mixprec.calibrate(sensitive_model())
+
+
+def test_a_metric_returning_a_negative_error_is_refused() -> None:
+    def signed(output: torch.Tensor, reference: torch.Tensor) -> float:
+        return float((output - reference).sum()) - 1.0  # below 0: "better than exact"
+
+    model = sensitive_model().train()
+    with pytest.raises(ValueError, match=r"metric must return an error >= 0 .* returned -"):
+        mixprec.calibrate(model, torch.randn(2, 8), dtype="bf16", metric=signed)
+    assert all(m.training for m in model.modules())  # left as it was

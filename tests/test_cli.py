@@ -1,4 +1,5 @@
-"""The ``mixprec`` command line: demo, plan and bench, end to end on tiny settings.
+"""The ``mixprec`` command line, every subcommand end to end on tiny settings, and how it
+talks: one-line errors with status 2, one-line warnings, strict JSON, progress.
 
 Nothing here is timed: the tests check structure (columns, files, JSON, exit codes,
 messages), and the measurement helpers on cases small enough to count by hand.
@@ -44,19 +45,63 @@ def _run_demo(out: Path, *argv: str) -> tuple[int, str]:
     return code, buffer.getvalue()
 
 
+#: What the shared demo run gave: exit status, stdout, the --out folder, stderr.
+DemoRun = tuple[int, str, Path, str]
+
+
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path]:
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     """One tiny demo over every run (6 steps each) on a native-bf16 CPU, shared by the
-    demo tests."""
+    demo tests, into a folder that holds an earlier run's PNG; stderr is not a terminal."""
     out = tmp_path_factory.mktemp("demo")
-    with pytest.MonkeyPatch.context() as patch:
+    (out / PNG_NAME).write_bytes(b"an earlier run")
+    err = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(err):
         fake_cpu(patch, NATIVE_BF16)
         code, text = _run_demo(out, "--steps-limit", "6", "--levels", ALL_RUNS)
-    return code, text, out
+    return code, text, out, err.getvalue()
 
 
-def test_demo_runs_and_prints_every_column(demo_run: tuple[int, str, Path]) -> None:
-    code, text, _ = demo_run
+def test_demo_says_it_replaces_an_earlier_run_and_shows_no_progress_when_piped(
+    demo_run: DemoRun,
+) -> None:
+    *_, out, err = demo_run
+    assert err == (
+        f"mixprec: warning: demo: {out} holds an earlier run's {PNG_NAME}; this run replaces "
+        "them (--out DIR writes elsewhere)\n"
+    )
+    assert (out / PNG_NAME).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_demo_time_column_says_it_is_a_time_ratio(demo_run: DemoRun) -> None:
+    text = demo_run[1]
+    assert "time vs O0" in text
+    assert "above 1x is slower" in text
+    assert re.search(r"^O0 .* 1\.00x ", text, re.MULTILINE), text
+
+
+@pytest.mark.parametrize("kind", ["file", "inside-a-file"])
+def test_demo_checks_out_before_training(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import mixprec.cli.demo
+
+    monkeypatch.setattr(mixprec.cli.demo, "run_demo", _must_not_run)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker if kind == "file" else blocker / "sub"
+    assert main(["demo", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mixprec demo: error: --out {str(out)!r}")
+    assert err.count("\n") == 1
+
+
+def _must_not_run(*args: object, **kwargs: object) -> None:
+    raise AssertionError("ran before checking --out")
+
+
+def test_demo_runs_and_prints_every_column(demo_run: DemoRun) -> None:
+    code, text, *_ = demo_run
     assert code == 0
     for column in COLUMNS:
         assert column in text, column
@@ -64,7 +109,7 @@ def test_demo_runs_and_prints_every_column(demo_run: tuple[int, str, Path]) -> N
         assert re.search(rf"^{re.escape(row)} ", text, re.MULTILINE), row
 
 
-def test_demo_output_fits_100_columns(demo_run: tuple[int, str, Path]) -> None:
+def test_demo_output_fits_100_columns(demo_run: DemoRun) -> None:
     lines = demo_run[1].splitlines()
     assert len(lines) > 8
     too_wide = [line for line in lines if len(line) > 100 and not line.startswith("wrote ")]
@@ -72,18 +117,18 @@ def test_demo_output_fits_100_columns(demo_run: tuple[int, str, Path]) -> None:
 
 
 def test_demo_auto_row_on_a_cpu_without_native_bf16(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake_cpu(monkeypatch, AVX2_ONLY)
-    with pytest.warns(UserWarning, match="chose O0"):
-        code, text = _run_demo(tmp_path, "--steps-limit", "2", "--levels", "auto")
+    code, text = _run_demo(tmp_path, "--steps-limit", "2", "--levels", "auto")
     assert code == 0
+    assert capsys.readouterr().err.startswith("mixprec: warning: level 'auto' chose O0")
     assert re.search(r"^auto -> O0 +float32 ", text, re.MULTILINE), text
     rows = json.loads((tmp_path / JSON_NAME).read_text())
     assert [(row["name"], row["level"], row["casts"]) for row in rows] == [("auto", "O0", 0)]
 
 
-def test_demo_rows_report_dtypes_and_loss_scale(demo_run: tuple[int, str, Path]) -> None:
+def test_demo_rows_report_dtypes_and_loss_scale(demo_run: DemoRun) -> None:
     rows = json.loads((demo_run[2] / JSON_NAME).read_text())
     by_name = {row["name"]: row for row in rows}
     assert by_name["O0"]["dtype"] == "float32"
@@ -99,7 +144,7 @@ def test_demo_rows_report_dtypes_and_loss_scale(demo_run: tuple[int, str, Path])
     assert 0 < by_name["O2"]["saved_bytes"] < by_name["O0"]["saved_bytes"]
 
 
-def test_demo_writes_a_valid_png(demo_run: tuple[int, str, Path]) -> None:
+def test_demo_writes_a_valid_png(demo_run: DemoRun) -> None:
     import matplotlib.image
 
     png = demo_run[2] / PNG_NAME
@@ -189,6 +234,27 @@ FACTORIES = textwrap.dedent(
     def not_a_model():
         return 42
 
+    def exits():
+        raise SystemExit(3)
+
+    def mlp():
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    class NaNOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(x) * float("nan")
+
+    def nan_out():
+        return NaNOut()
+
+    def huge_norm():  # 2**40 features: an input for it cannot be allocated
+        norm = nn.LayerNorm((2**20, 2**20), eps=1e-9, elementwise_affine=False)
+        return nn.Sequential(nn.Linear(4, 4), norm)
+
     VALUE = 3
     """
 )
@@ -268,6 +334,97 @@ def test_plan_errors_are_one_line_with_status_2(
     assert captured.err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["find-overflow", "{file}:mlp", "--input", "3,5"], "failed to run on inputs float:3,5"),
+        (["find-overflow", "{file}:mlp", "--input", "int:3,4"], "failed to run on inputs int:3,4"),
+        (["find-overflow", "{file}:mlp", "--input", "10000,10000,100000"], "cannot allocate"),
+        (["plan", "{file}:mlp", "--input", "10000,10000,100000"], "cannot allocate 37,252.9 GiB"),
+        (["plan", "{file}:mlp", "--input", "99999999999999999999,4"], "more than a tensor"),
+        (["find-overflow", "{file}:mlp", "--input", "3,4", "--loss-scale", "inf"], "got inf"),
+        (["find-overflow", "{file}:mlp", "--input", "3,4", "--loss-scale", "1e39"], "got 1e+39"),
+        (["plan", "{file}:exits", "--input", "3,4"], "failed: it raised SystemExit(3)"),
+        (["find-overflow", "{file}:exits", "--input", "3,4"], "failed: it raised SystemExit(3)"),
+        (["lint", "{file}:exits"], "calling {file}:exits() failed: it raised SystemExit(3)"),
+        (["lint", "{exits}:mlp"], "importing '{exits}' failed: it raised SystemExit(0)"),
+    ],
+    ids=[
+        "find-shape",
+        "find-int",
+        "find-huge",
+        "plan-huge",
+        "plan-beyond-int64",
+        "find-scale-inf",
+        "find-scale-beyond-fp32",
+        "plan-exit",
+        "find-exit",
+        "lint-exit",
+        "import-exit",
+    ],
+)
+def test_every_command_mistake_is_one_line_with_status_2(
+    argv: list[str], message: str, factories: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    exits = factories.parent / "exits_on_import.py"
+    exits.write_text("raise SystemExit(0)\n")
+    argv = [a.format(file=factories, exits=exits) for a in argv]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"mixprec {argv[0]}: error: "), captured.err
+    assert message.format(file=factories, exits=exits) in captured.err
+    assert captured.err.count("\n") == 1
+
+
+def test_lint_of_a_layer_too_large_to_run_still_answers(
+    factories: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["lint", f"{factories}:huge_norm", "--level", "O3", "--dtype", "fp16", "--json"]
+    assert main(argv) == 0
+    findings = json.loads(capsys.readouterr().out)["findings"]
+    assert [f["kind"] for f in findings] == ["norm eps"]
+
+
+def _strict_json(text: str) -> Any:
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_find_overflow_json_is_strict_for_a_nan_loss(
+    factories: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["find-overflow", f"{factories}:nan_out", "--input", "2,4", "--dtype", "bf16"]
+    assert main([*argv, "--json"]) == 0
+    report = _strict_json(capsys.readouterr().out)
+    assert report["loss"] == "nan"
+    assert report["forward"]["kind"] == "nan"
+
+
+def test_mixprec_warnings_are_one_line_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_cpu(monkeypatch, AVX2_ONLY)  # bf16 is slow here: conversion warns
+    argv = ["plan", "mixprec.cli.models:lenet5", "--input", "1,1,32,32", "--dtype", "bf16"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("mixprec: warning: computing in bfloat16 on cpu, but this CPU (AVX2)")
+    assert err.count("\n") == 1
+    assert "UserWarning" not in err
+
+
+def test_other_warnings_keep_their_format(capsys: pytest.CaptureFixture[str]) -> None:
+    import warnings
+
+    from mixprec.cli.terminal import one_line_warnings
+
+    with pytest.warns(UserWarning, match="not ours"), one_line_warnings():
+        warnings.warn_explicit("not ours", UserWarning, "lib.py", 7)  # to the handler before
+    assert capsys.readouterr().err == ""
+
+
 def test_parse_input_kinds() -> None:
     assert parse_input("1, 3,4") == InputSpec((1, 3, 4), torch.float32)
     assert parse_input("int:2,8") == InputSpec((2, 8), torch.int64)
@@ -315,9 +472,10 @@ def test_bench_json_has_every_model_and_variant(bench_json: dict[str, Any]) -> N
 
 def test_bench_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--quick", "--models", "mlp", "--repeats", "1", "--warmup", "0"]) == 0
-    out = capsys.readouterr().out
-    for column in BENCH_COLUMNS:
-        assert column in out, column
+    out, err = capsys.readouterr()
+    assert err == ""  # no progress when stderr is not a terminal
+    for column in BENCH_COLUMNS:  # a header may wrap over two lines
+        assert all(word in out for word in column.split()), column
     for variant in VARIANTS:
         assert variant in out, variant
     assert "goals" in out
@@ -340,6 +498,49 @@ def test_bench_rejects_bad_flags(
 ) -> None:
     assert main(["bench", "--quick", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["folder", "no-folder"])
+def test_bench_checks_out_before_measuring(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import mixprec.cli.bench
+
+    monkeypatch.setattr(mixprec.cli.bench, "run_bench", _must_not_run)
+    out = tmp_path if kind == "folder" else tmp_path / "missing" / "bench.json"
+    assert main(["bench", "--quick", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    expected = "is a folder; give a file name" if kind == "folder" else "no folder"
+    assert err.startswith(f"mixprec bench: error: --out {str(out)!r}")
+    assert expected in err
+    assert err.count("\n") == 1
+
+
+def test_ratio_headers_say_what_they_compare() -> None:
+    for column in (*COLUMNS, *BENCH_COLUMNS):
+        if " vs " in column:
+            assert column.split(" vs ")[0].endswith(("time", "speed")), column
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_line_on_a_terminal_only() -> None:
+    from mixprec.cli.terminal import ProgressLine
+
+    terminal = _Terminal()
+    with ProgressLine(terminal, interval=0) as progress:
+        progress.update("run 1/2: step 10/624")
+        progress.update("run 2/2")
+    assert terminal.getvalue() == (
+        "\rrun 1/2: step 10/624\rrun 2/2             " + "\r" + " " * 7 + "\r"
+    )
+    pipe = io.StringIO()
+    with ProgressLine(pipe, interval=0) as progress:
+        progress.update("run 1/2")
+    assert pipe.getvalue() == ""
 
 
 # ---------------------------------------------------------------------------- main
@@ -442,7 +643,8 @@ def test_bench_emulate_times_emulated_levels_against_fp32(tmp_path: Path) -> Non
     argv = ["bench", "--quick", "--models", "mlp", "--repeats", "1", "--warmup", "0"]
     with contextlib.redirect_stdout(io.StringIO()):
         assert main([*argv, "--emulate", "--out", str(out)]) == 0
-    data = json.loads(out.read_text())
+    data = _strict_json(out.read_text())  # no NaN for the ratios it cannot measure
+    assert data["results"][0]["ratios"]["train_vs_autocast"] is None
     assert data["settings"]["emulate"] is True
     assert [r["variant"] for r in data["results"]] == [
         v for v in VARIANTS if v not in ("torch.autocast", "pure")
@@ -461,12 +663,17 @@ def test_plan_emulate_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     assert "bfloat16 emulated" in capsys.readouterr().out
 
 
-def test_demo_emulates_where_the_cpu_is_not_native(
+def test_demo_emulates_where_the_cpu_is_not_native_with_progress_on_a_terminal(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     fake_cpu(monkeypatch, AVX2_ONLY)
-    code, text = _run_demo(tmp_path, "--steps-limit", "2", "--levels", "O0,O2,O2-fp16")
+    terminal = _Terminal()
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "stderr", terminal)
+        code, text = _run_demo(tmp_path, "--steps-limit", "2", "--levels", "O0,O2,O2-fp16")
     assert code == 0
+    assert "\rmixprec demo: run 1/3, O0: step 1/2" in terminal.getvalue()  # a terminal: progress
+    assert terminal.getvalue().endswith("\r")  # the line cleared at the end
     assert re.search(r"^O2 +bfloat16\* ", text, re.MULTILINE), text
     assert re.search(r"^O2-fp16 +float16\* ", text, re.MULTILINE), text
     assert "*: emulated" in text

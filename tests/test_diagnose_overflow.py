@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import pytest
@@ -12,35 +13,9 @@ from torch import nn
 
 import mixprec
 from helpers import MLP
+from mixprec.cli import planted
+from mixprec.cli.planted import DivZero, LogNeg
 from mixprec.diagnose import FixKind, OverflowDebugger, probe_skipped_step
-
-
-class DivZero(nn.Module):
-    """Divides by a zero-initialised buffer in its own code: inf in any precision."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 2)
-        self.register_buffer("scale", torch.zeros(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.fc1(x) / self.scale)
-
-
-class Log(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.log(x)
-
-
-class LogNeg(nn.Module):
-    """Takes the log of a Linear's (partly negative) output: NaN."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(4, 4), Log(), nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class Dropper(nn.Module):
@@ -60,17 +35,8 @@ class Dropper(nn.Module):
 
 
 def tiny_bert() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=16,
-    )
-    return transformers.BertModel(config).eval()
+    pytest.importorskip("transformers")
+    return planted.tiny_bert()
 
 
 X = torch.linspace(-2, 2, 12).reshape(3, 4)
@@ -98,6 +64,9 @@ def test_nan_from_log_of_a_negative_names_the_module() -> None:
     assert report.forward.dtype == "bfloat16"
     assert report.fix.kind is FixKind.NOT_PRECISION
     assert report.module == "act"
+    data = report.to_dict()
+    assert data["loss"] == "nan"  # strict JSON: no NaN literal
+    assert json.loads(json.dumps(data, allow_nan=False))["forward"]["kind"] == "nan"
 
 
 def test_clean_model_reports_nothing() -> None:
@@ -256,7 +225,10 @@ def test_debugger_summarises_backoffs_and_warns_on_real_overflows() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"loss_scale": 0.5}, ValueError, "loss_scale must be a number >= 1; got 0.5"),
+        ({"loss_scale": 0.5}, ValueError, "loss_scale must be a finite number from 1 .* got 0.5"),
+        ({"loss_scale": math.inf}, ValueError, "float32's largest value 3.403e\\+38; got inf"),
+        ({"loss_scale": 1e39}, ValueError, "float32's largest value .*; got 1e\\+39"),
+        ({"loss_scale": math.nan}, ValueError, "loss_scale must be a finite number .* got nan"),
         ({"level": "O5"}, ValueError, "level must be one of"),
         ({"dtype": "fp8"}, ValueError, "dtype must be one of .* got 'fp8'"),
         ({"loss_fn": 3}, TypeError, "loss_fn must be callable or None; got 3"),

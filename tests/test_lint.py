@@ -16,32 +16,8 @@ from conftest import NATIVE_BF16, fake_cpu
 from helpers import MLP
 from mixprec.cli.diagnose import add_commands
 from mixprec.cli.plan import PlanError
+from mixprec.cli.planted import HandRMSNorm, MaskedAttention
 from mixprec.diagnose import FindingKind
-
-
-class MaskedAttention(nn.Module):
-    """A causal mask stored as -1e9 (buffer) and a -1e9 fill value (attribute)."""
-
-    def __init__(self, dim: int = 8, size: int = 4) -> None:
-        super().__init__()
-        self.q = nn.Linear(dim, dim)
-        self.register_buffer("mask", torch.triu(torch.full((size, size), -1e9), 1))
-        self.fill = -1e9
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = self.q(x) @ x.transpose(-1, -2) + self.mask
-        return scores.softmax(-1) @ x
-
-
-class HandRMSNorm(nn.Module):
-    """An RMS norm written out in the dtype it runs in (no float32 inside)."""
-
-    def __init__(self, dim: int, eps: float = 1e-8) -> None:
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 def kinds(report: mixprec.LintReport) -> list[tuple[FindingKind, str]]:
@@ -148,6 +124,21 @@ def test_bad_arguments() -> None:
         mixprec.lint(MLP(), master_weights="yes")
     with pytest.raises(ValueError, match="level must be one of"):
         mixprec.lint(MLP(), level="O9")
+    with pytest.raises(
+        TypeError, match=r"loss_scale_manager must be a LossScaleManager .* got int: 3"
+    ):
+        mixprec.lint(MLP(), loss_scale_manager=3)
+    scaler = mixprec.training.scaling.StaticLossScaler(2.0**17)
+    assert kinds(mixprec.lint(MLP(), dtype="fp16", loss_scale_manager=scaler)) == [
+        (FindingKind.LOSS_SCALE, "StaticLossScaler")
+    ]
+
+
+def test_a_norm_too_large_to_run_is_judged_by_its_eps() -> None:
+    huge = nn.LayerNorm((2**20, 2**20), eps=1e-9, elementwise_affine=False)  # 2**40 features
+    report = mixprec.lint(nn.Sequential(nn.Linear(4, 4), huge), level="O3", dtype="fp16")
+    assert kinds(report) == [(FindingKind.NORM_EPS, "1 (LayerNorm)")]
+    assert str(report).startswith("lint: level O3, float16: 1 finding\n")
 
 
 # ---------------------------------------------------------------------- command line
@@ -188,7 +179,7 @@ def test_cli_lint_and_find_overflow(tmp_path: Path, capsys: pytest.CaptureFixtur
     path = tmp_path / "models.py"
     path.write_text(FACTORY)
     out = run(["lint", f"{path}:masked", "--dtype", "fp16"], capsys)
-    assert "lint: level O2, float16: 1 findings" in out
+    assert "lint: level O2, float16: 1 finding" in out
     assert "attribute 'fill'" in out
     out = run(["lint", f"{path}:masked", "--dtype", "fp16", "--optimizer", "adam",
                "--no-master-weights", "--json"], capsys)  # fmt: skip

@@ -3,7 +3,8 @@
 Every warning mixprec raises goes through :func:`warn`, which attributes it to the first
 stack frame outside mixprec and torch: the user's call of ``auto_mixed_precision``,
 ``build_train_network``, or the model call whose hook warned, whichever entry point
-that was.
+that was. Each warning carries a ``mixprec`` attribute, so that the command line can
+print mixprec's own warnings as one ``mixprec: warning: ...`` line (:func:`is_mixprec`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from types import FrameType
 
 import torch
 
-__all__ = ["warn"]
+__all__ = ["is_mixprec", "warn"]
 
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(path)) + os.sep for path in (__file__, torch.__file__)
@@ -35,4 +36,11 @@ def _stacklevel() -> int:
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the user's line."""
-    warnings.warn(message, category, stacklevel=_stacklevel())
+    warning = category(message)
+    warning.mixprec = True  # type: ignore[attr-defined]
+    warnings.warn(warning, stacklevel=_stacklevel())
+
+
+def is_mixprec(message: Warning | str) -> bool:
+    """Whether a warning (``warnings.showwarning``'s ``message``) came from :func:`warn`."""
+    return getattr(message, "mixprec", False) is True

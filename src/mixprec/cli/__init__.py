@@ -2,9 +2,11 @@
 
 ``main(argv)`` parses the arguments (argparse), runs one subcommand and returns the exit
 status: 0 on success, 2 for a usage error (a bad flag, path, shape, level, ...), with a
-one-line message on stderr. The subcommands live in their own modules:
-:mod:`mixprec.cli.demo`, :mod:`mixprec.cli.plan`, :mod:`mixprec.cli.bench` and
-:mod:`mixprec.cli.doctor`. ``plan`` and ``doctor`` need only torch; ``demo`` and ``bench``
+one-line message on stderr. mixprec's warnings print as one ``mixprec: warning: ...`` line
+on stderr; JSON output is strict (:mod:`mixprec.cli.terminal`). The subcommands live in
+their own modules: :mod:`mixprec.cli.demo`, :mod:`mixprec.cli.plan`,
+:mod:`mixprec.cli.bench`, :mod:`mixprec.cli.doctor` and :mod:`mixprec.cli.diagnose`
+(``find-overflow``, ``lint``). All but ``demo`` and ``bench`` need only torch; those two
 need the ``demo`` extra (rich, scikit-learn, matplotlib) and say so when it is missing.
 
 Example:
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,13 @@ from typing import TYPE_CHECKING
 from mixprec.cli.demo_config import LEVEL_CHOICES, DemoConfig
 from mixprec.cli.diagnose import add_commands as add_diagnose_commands
 from mixprec.cli.plan import PlanError
+from mixprec.cli.terminal import (
+    ProgressLine,
+    check_out_dir,
+    check_out_file,
+    dumps,
+    one_line_warnings,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -159,6 +167,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
+        check_out_dir(config.out)
     except ValueError as error:
         raise UsageError(str(error)) from error
     run_demo(config, make_console())
@@ -177,24 +186,26 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     _require_extra("bench")
-    from rich.console import Console
-
     from mixprec.cli.bench import run_bench, settings_from_args
     from mixprec.cli.bench_report import bench_dict, goals_table, results_table
     from mixprec.cli.measure import machine_info
 
     try:
         settings = settings_from_args(args)
+        if args.out is not None:
+            check_out_file(Path(args.out))
     except ValueError as error:
         raise UsageError(str(error)) from error
-    err = Console(stderr=True)
-    results, described = run_bench(settings, progress=lambda text: err.print(f"bench {text}"))
+    with ProgressLine() as progress:
+        results, described = run_bench(
+            settings, progress=lambda text: progress.update(f"mixprec bench: {text}", force=True)
+        )
     machine = machine_info()
     data = bench_dict(results, settings, described, machine)
     if args.out is not None:
-        Path(args.out).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        Path(args.out).write_text(dumps(data) + "\n", encoding="utf-8")
     if args.json:
-        print(json.dumps(data, indent=2))
+        print(dumps(data))
         return 0
     console = make_console(width=220)  # one row per model and variant, a dozen columns
     console.print(
@@ -237,7 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     handlers = {"demo": _demo, "plan": _plan, "bench": _bench, "doctor": _doctor}
     try:
-        return handlers.get(args.command, _diagnose)(args)
+        with one_line_warnings():
+            return handlers.get(args.command, _diagnose)(args)
     except UsageError as error:
         print(f"mixprec {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -20,16 +20,16 @@ BENCH_COLUMNS: tuple[str, ...] = (
     "model",
     "variant",
     "train step",
-    "train vs autocast",
-    "train vs pure",
-    "train vs fp32",
+    "train speed vs autocast",
+    "train speed vs pure",
+    "train speed vs fp32",
     "inference",
-    "infer vs autocast",
-    "infer vs pure",
+    "infer speed vs autocast",
+    "infer speed vs pure",
     "casts/fwd train",
     "casts/fwd infer",
     "saved for backward",
-    "saved vs fp32",
+    "saved / fp32's",
 )
 
 
@@ -42,8 +42,8 @@ def results_table(results: Sequence[Result], settings: BenchSettings) -> Table:
     dtype = dtype_name(settings.dtype)
     emulated = " emulated" if settings.emulate else ""
     table = Table(
-        title=f"mixprec bench ({dtype}{emulated}, {settings.device}): median ms, "
-        "speedups t(reference) / t(variant)",
+        title=f"mixprec bench ({dtype}{emulated}, {settings.device}): median ms; "
+        "speed vs X = t(X) / t(variant): above 1x is faster than X",
         caption=(
             f"{settings.repeats} timed rounds after {settings.warmup} warm-up calls, variants "
             "interleaved; 'pure' is model.to(" + dtype + "); saved for backward excludes "

@@ -12,7 +12,6 @@ and, for the float16 run, the dynamic loss scale over the steps.
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from collections.abc import Sequence
@@ -23,7 +22,6 @@ from typing import Any
 import torch
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from torch import nn
 
@@ -32,6 +30,7 @@ from mixprec.cli.data import Digits, batch_order, load_digits
 from mixprec.cli.demo_config import LEVEL_CHOICES, DemoConfig, config_from_args, parse_levels
 from mixprec.cli.measure import format_bytes, median_ms
 from mixprec.cli.models import lenet5
+from mixprec.cli.terminal import ProgressLine, dumps, warning_line
 from mixprec.inspect import CastCounter, SavedBytes
 from mixprec.policy.hardware import is_native
 
@@ -53,7 +52,7 @@ COLUMNS: tuple[str, ...] = (
     "accuracy",
     "loss",
     "ms/step",
-    "vs O0",
+    "time vs O0",
     "saved/step",
     "casts",
     "skipped",
@@ -159,9 +158,11 @@ def train_one(
     config: DemoConfig,
     data: Digits,
     batches: Sequence[torch.Tensor],
-    progress: Progress,
+    progress: ProgressLine | None = None,
+    label: str = "",
 ) -> RunResult:
-    """Train LeNet-5 at one level on ``batches`` and measure it."""
+    """Train LeNet-5 at one level on ``batches`` and measure it; ``progress`` shows
+    ``label`` and the step."""
     torch.manual_seed(config.seed)
     model = lenet5()
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
@@ -175,7 +176,6 @@ def train_one(
         model, optimizer, nn.CrossEntropyLoss(), level=spec.level, **options
     )
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=len(batches))
-    task = progress.add_task(spec.name, total=len(batches))
     exclude = [*model.parameters(), *model.buffers()]
     exclude += [*step.network.parameters(), *step.network.buffers()]
     losses: list[float] = []
@@ -203,7 +203,8 @@ def train_one(
             schedule.step()
         losses.append(float(loss))
         scales.append(float(step.loss_scale))
-        progress.advance(task)
+        if progress is not None:
+            progress.update(f"{label}{spec.name}: step {index + 1}/{len(batches)}")
     tail = losses[-max(1, min(len(losses), len(data.y_train) // config.batch_size)) :]
     low = step.dtype
     return RunResult(
@@ -233,6 +234,7 @@ def _table(results: Sequence[RunResult]) -> Table:
         padding=(0, 1),
         show_edge=False,
         pad_edge=False,
+        collapse_padding=True,
     )
     for index, column in enumerate(COLUMNS):
         table.add_column(column, justify="left" if index < 2 else "right", no_wrap=True)
@@ -310,25 +312,29 @@ def run_demo(config: DemoConfig, console: Console) -> list[RunResult]:
     if config.steps_limit is not None:
         batches = batches[: config.steps_limit]
     specs = [_spec(name, config.dtype, config.emulate) for name in config.levels]
+    earlier = [name for name in (PNG_NAME, JSON_NAME) if (config.out / name).exists()]
+    if earlier:
+        warning_line(
+            f"demo: {config.out} holds an earlier run's {' and '.join(earlier)}; this run "
+            "replaces them (--out DIR writes elsewhere)"
+        )
     console.print(
         f"LeNet-5 on {len(data.y_train)} train / {len(data.y_test)} test digits: "
         f"{len(batches)} steps of {config.batch_size} per run, Adam lr {config.lr:g}, "
         f"seed {config.seed}, {torch.get_num_threads()} threads"
     )
     results: list[RunResult] = []
-    columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn())
-    with Progress(
-        *columns, TimeElapsedColumn(), console=console, disable=not console.is_terminal
-    ) as progress:
-        for spec in specs:
-            results.append(train_one(spec, config, data, batches, progress))
+    with ProgressLine() as progress:
+        for index, spec in enumerate(specs):
+            label = f"mixprec demo: run {index + 1}/{len(specs)}, "
+            results.append(train_one(spec, config, data, batches, progress, label))
     console.print(_table(results))
     console.print(_summary(results))
     png = write_png(results, config.out / PNG_NAME)
     summary = [
         {k: v for k, v in asdict(r).items() if k not in ("losses", "scales")} for r in results
     ]
-    (config.out / JSON_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    (config.out / JSON_NAME).write_text(dumps(summary) + "\n", encoding="utf-8")
     console.print(
         f"wrote {png} and {config.out / JSON_NAME} in {time.perf_counter() - start:.1f} s"
     )
@@ -338,7 +344,8 @@ def run_demo(config: DemoConfig, console: Console) -> list[RunResult]:
 def _summary(results: Sequence[RunResult]) -> str:
     base = next((r for r in results if r.name == "O0"), None)
     notes = [
-        "step time: median over the steps after warm-up; casts counted in one training forward"
+        "ms/step: median over the steps after warm-up; time vs O0: ms/step / O0's (above 1x is "
+        "slower)\ncasts counted in one training forward"
     ]
     if any(r.emulated for r in results):
         notes.append(

@@ -18,14 +18,13 @@ Example:
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
-from mixprec.cli.plan import PlanError, load_factory, parse_input
+from mixprec.cli.plan import PlanError, build_model, parse_input, run_model
+from mixprec.cli.terminal import dumps
 from mixprec.diagnose import find_overflow, lint
 
 __all__ = ["OPTIMIZERS", "add_commands", "run_find_overflow", "run_lint"]
@@ -84,23 +83,20 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def _model(target: str) -> nn.Module:
-    factory = load_factory(target)
-    try:
-        model = factory()
-    except Exception as error:
-        raise PlanError(f"calling {target}() failed: {type(error).__name__}: {error}") from error
-    if not isinstance(model, nn.Module):
-        raise PlanError(f"{target}() must return a torch.nn.Module; got {type(model).__name__}")
-    return model
-
-
 def _usage(call: Callable[[], Any]) -> Any:
-    """Turn a bad level, dtype or value into a one-line :class:`PlanError`."""
+    """Turn a bad level, dtype or value, or running out of memory, into a one-line
+    :class:`PlanError`."""
     try:
         return call()
     except (TypeError, ValueError) as error:
         raise PlanError(str(error)) from error
+    except MemoryError as error:
+        raise PlanError("out of memory (is the model or an input too large?)") from error
+    except RuntimeError as error:
+        if "memory" not in str(error):
+            raise
+        first = str(error).strip().splitlines()[0]
+        raise PlanError(f"out of memory (is the model or an input too large?): {first}") from error
 
 
 def run_find_overflow(args: argparse.Namespace, write: Callable[[str], None] = print) -> int:
@@ -108,21 +104,24 @@ def run_find_overflow(args: argparse.Namespace, write: Callable[[str], None] = p
     if not args.input:
         raise PlanError("give at least one --input SHAPE (e.g. --input 1,3,32,32)")
     specs = [parse_input(text) for text in args.input]
-    model = _model(args.model)
+    model = build_model(args.model)
     generator = torch.Generator().manual_seed(args.seed)
     inputs = [spec.make(generator) for spec in specs]
+    training = model.training
+    run_model(model, inputs, f"the model {args.model}", " ".join(map(str, specs)))
+    model.train(training)
     report = _usage(
         lambda: find_overflow(
             model, *inputs, level=args.level, dtype=args.dtype, loss_scale=args.loss_scale
         )
     )
-    write(json.dumps(report.to_dict(), indent=2) if args.json else str(report))
+    write(dumps(report.to_dict()) if args.json else str(report))
     return 0
 
 
 def run_lint(args: argparse.Namespace, write: Callable[[str], None] = print) -> int:
     """The ``mixprec lint`` command; returns the exit status (0)."""
-    model = _model(args.model)
+    model = build_model(args.model)
     optimizer = None
     if args.optimizer is not None:
         options = {} if args.eps is None else {"eps": args.eps}
@@ -138,5 +137,5 @@ def run_lint(args: argparse.Namespace, write: Callable[[str], None] = print) -> 
             master_weights=not args.no_master_weights,
         )
     )
-    write(json.dumps(report.to_dict(), indent=2) if args.json else str(report))
+    write(dumps(report.to_dict()) if args.json else str(report))
     return 0

@@ -11,7 +11,6 @@ that runs at 0.2 GFLOP/s (bfloat16 on an AVX2-only CPU) costs no more than a fas
 from __future__ import annotations
 
 import dataclasses
-import json
 import platform
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mixprec.cli.terminal import dumps
 from mixprec.policy.dtypes import dtype_name
 from mixprec.policy.hardware import cpu_features, cpu_name, is_native
 from mixprec.policy.levels import recommend
@@ -179,4 +179,4 @@ def _yes(flag: bool) -> str:
 def run_doctor(as_json: bool, measure: bool = True) -> str:
     """The text ``mixprec doctor`` prints."""
     report = diagnose(measure=measure)
-    return json.dumps(report, indent=2) if as_json else render(report)
+    return dumps(report) if as_json else render(report)

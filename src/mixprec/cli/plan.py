@@ -6,14 +6,15 @@ original and converted, on random inputs of the given shapes (so a plan is never
 for a model that does not run), then :func:`mixprec.explain` prints its plan.
 
 Every user mistake is a :class:`PlanError` with a one-line message; the command line
-prints it and exits with status 2.
+prints it and exits with status 2. That includes a user file or factory that raises
+``SystemExit`` and an input too large to allocate.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,19 +25,31 @@ import torch
 from torch import nn
 
 import mixprec
+from mixprec.cli.terminal import dumps
 from mixprec.policy.dtypes import dtype_name, resolve_dtype
 from mixprec.policy.levels import Level
 
-__all__ = ["InputSpec", "PlanError", "load_factory", "parse_input", "run_plan"]
+__all__ = [
+    "InputSpec",
+    "PlanError",
+    "build_model",
+    "load_factory",
+    "parse_input",
+    "run_model",
+    "run_plan",
+]
 
 #: Element types an ``--input`` may name before its shape (``int:1,16``).
 INPUT_KINDS: dict[str, torch.dtype] = {"float": torch.float32, "int": torch.int64}
 #: Integer inputs are drawn from ``[0, INT_HIGH)``: valid indices for any embedding.
 INT_HIGH = 2
+#: The most elements an ``--input`` may have (torch's sizes are 64-bit).
+MAX_ELEMENTS = 2**62
 
 
 class PlanError(ValueError):
-    """A mistake on the ``mixprec plan`` command line (bad path, shape, model, ...)."""
+    """A mistake on the command line of ``mixprec plan``, ``find-overflow`` or ``lint``
+    (bad path, shape, model, ...): one line, exit status 2."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +61,15 @@ class InputSpec:
 
     def make(self, generator: torch.Generator) -> torch.Tensor:
         """A random tensor of this shape and type."""
-        if self.dtype.is_floating_point:
-            return torch.randn(self.shape, generator=generator, dtype=self.dtype)
-        return torch.randint(0, INT_HIGH, self.shape, generator=generator, dtype=self.dtype)
+        try:
+            if self.dtype.is_floating_point:
+                return torch.randn(self.shape, generator=generator, dtype=self.dtype)
+            return torch.randint(0, INT_HIGH, self.shape, generator=generator, dtype=self.dtype)
+        except (RuntimeError, MemoryError) as error:
+            size = math.prod(self.shape) * self.dtype.itemsize
+            raise PlanError(
+                f"--input {self}: cannot allocate {size / 2**30:,.1f} GiB for it (out of memory)"
+            ) from error
 
     def __str__(self) -> str:
         kind = next(k for k, v in INPUT_KINDS.items() if v == self.dtype)
@@ -78,7 +97,13 @@ def parse_input(text: str) -> InputSpec:
             f"--input {text!r}: a shape is positive integers separated by commas, "
             "like 1,3,32,32 (or int:1,16 for integer inputs)"
         )
-    return InputSpec(tuple(int(p) for p in parts), INPUT_KINDS[kind])
+    shape = tuple(int(p) for p in parts)
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise PlanError(
+            f"--input {text!r}: {math.prod(shape):.3g} elements, more than a tensor can hold "
+            f"({MAX_ELEMENTS:.3g})"
+        )
+    return InputSpec(shape, INPUT_KINDS[kind])
 
 
 def _import(location: str) -> Any:
@@ -95,7 +120,7 @@ def _import(location: str) -> Any:
         sys.modules[name] = module  # dataclasses and pickling look the module up
         try:
             spec.loader.exec_module(module)
-        except Exception as error:
+        except (Exception, SystemExit) as error:
             del sys.modules[name]
             raise PlanError(f"importing {location!r} failed: {_describe(error)}") from error
         return module
@@ -103,7 +128,7 @@ def _import(location: str) -> Any:
         return importlib.import_module(location)
     except ModuleNotFoundError as error:
         raise PlanError(f"cannot import module {location!r}: {error}") from error
-    except Exception as error:
+    except (Exception, SystemExit) as error:
         raise PlanError(f"importing {location!r} failed: {_describe(error)}") from error
 
 
@@ -130,15 +155,18 @@ def load_factory(target: str) -> Callable[[], Any]:
 
 
 def _describe(error: BaseException) -> str:
+    if isinstance(error, SystemExit):
+        return f"it raised SystemExit({error.code!r})"
     message = str(error).strip().splitlines()
     return f"{type(error).__name__}: {message[0] if message else ''}".rstrip(": ")
 
 
-def _build(target: str) -> nn.Module:
+def build_model(target: str) -> nn.Module:
+    """Call the factory ``MODULE:CALLABLE``; a failure or a non-module is a PlanError."""
     factory = load_factory(target)
     try:
         model = factory()
-    except Exception as error:
+    except (Exception, SystemExit) as error:
         raise PlanError(f"calling {target}() failed: {_describe(error)}") from error
     if not isinstance(model, nn.Module):
         raise PlanError(
@@ -147,12 +175,14 @@ def _build(target: str) -> nn.Module:
     return model
 
 
-def _run(model: nn.Module, inputs: Sequence[torch.Tensor], what: str, specs: str) -> Any:
+def run_model(model: nn.Module, inputs: Sequence[torch.Tensor], what: str, specs: str) -> Any:
+    """Run ``model`` in eval mode without gradients; a failure is a PlanError naming
+    ``what`` and the input ``specs``."""
     model.eval()
     try:
         with torch.no_grad():
             return model(*inputs)
-    except Exception as error:
+    except (Exception, SystemExit) as error:
         raise PlanError(f"{what} failed to run on inputs {specs}: {_describe(error)}") from error
 
 
@@ -187,18 +217,18 @@ def make_plan(
         raise PlanError(
             "--level O0 converts nothing, so there is no cast plan; choose O1-O3, autocast or auto"
         )
-    model = _build(target)
+    model = build_model(target)
     generator = torch.Generator().manual_seed(seed)
     tensors = [spec.make(generator) for spec in inputs]
     specs = " ".join(str(spec) for spec in inputs)
-    _run(model, tensors, f"the model {target}", specs)
+    run_model(model, tensors, f"the model {target}", specs)
     try:
         converted = mixprec.auto_mixed_precision(model, parsed_level, low, emulate=emulate)
     except (TypeError, ValueError) as error:
         raise PlanError(f"converting {target} to {parsed_level} failed: {error}") from error
     if converted is model:
         raise PlanError(f"level {parsed_level} chose O0 on this machine: nothing to plan")
-    output = _run(converted, tensors, f"the converted model ({parsed_level})", specs)
+    output = run_model(converted, tensors, f"the converted model ({parsed_level})", specs)
     line = f"{target} on inputs {specs}: ran before and after conversion; output {_shapes(output)}"
     return mixprec.explain(converted, *tensors), line
 
@@ -218,7 +248,7 @@ def run_plan(
     specs = [parse_input(text) for text in inputs]
     plan, line = make_plan(target, specs, level, dtype, emulate=emulate)
     if as_json:
-        write(json.dumps(plan.to_dict(), indent=2))
+        write(dumps(plan.to_dict()))
     else:
         write(line)
         write(str(plan))

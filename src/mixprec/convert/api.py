@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from mixprec._check import require_module
 from mixprec._warn import warn
 from mixprec.convert.emulate import install_emulation
 from mixprec.convert.graph import convert_graph
@@ -50,11 +51,11 @@ def get_black_list() -> list[type[nn.Module]]:
     return list(lists.BLACK_MODULES)
 
 
-def check_network(network: object) -> nn.Module:
-    if not isinstance(network, nn.Module):
-        raise TypeError(
-            f"network must be a torch.nn.Module; got {type(network).__name__}: {network!r}"
-        )
+def check_network(network: object, level: Level = Level.O0) -> nn.Module:
+    """``network`` as a module that ``level`` can convert: not converted already, and (for
+    a level other than O0) without float16/bfloat16 parameters, which its float32 parts
+    could not run with."""
+    network = require_module(network)
     converted = list(find_converted(network))
     if converted:
         where = "the network itself" if "" in converted else f"its submodule {converted[0]!r}"
@@ -62,6 +63,15 @@ def check_network(network: object) -> nn.Module:
             f"network is already converted by mixprec ({where}); converting again would cast twice. "
             "Convert the original (unconverted) module instead."
         )
+    if level is not Level.O0:
+        for name, p in network.named_parameters():
+            if p.dtype in (torch.float16, torch.bfloat16):
+                raise ValueError(
+                    f"network holds {p.dtype} parameters (e.g. {name!r}); level "
+                    f"{level.value!r} converts a float32 model (its float32 parts would fail "
+                    "at the first call). Convert the float32 model (model.float()), or use "
+                    "level 'O0' to run it as it is"
+                )
     return network
 
 
@@ -103,7 +113,8 @@ def auto_mixed_precision(
 
     Raises:
         TypeError: ``network`` is not a module; a pin is malformed.
-        ValueError: unknown level or dtype; a converted network; a pin naming no module.
+        ValueError: unknown level or dtype; a converted network; a pin naming no module; a
+            model with float16 or bfloat16 parameters (at a level other than O0).
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
@@ -145,10 +156,10 @@ def convert(network: nn.Module, recipe: Recipe, *, emulate: bool = False) -> nn.
 
     Raises:
         TypeError: ``network`` is not a module.
-        ValueError: ``network`` (or a submodule) is already converted, or sharded by FSDP2
-            above O0.
+        ValueError: ``network`` (or a submodule) is already converted; it holds float16 or
+            bfloat16 parameters (at a level other than O0); it is sharded by FSDP2.
     """
-    network = check_network(network)
+    network = check_network(network, recipe.level)
     check_emulate(emulate)
     if recipe.level is Level.O0:
         return network

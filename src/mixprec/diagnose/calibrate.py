@@ -36,8 +36,7 @@ from mixprec.convert.api import auto_mixed_precision, check_network
 from mixprec.convert.module_level import convert_module_level
 from mixprec.convert.structure import structural_copy
 from mixprec.diagnose.probes import preserved, tensor_leaves
-from mixprec.diagnose.report import dtype_name
-from mixprec.policy.dtypes import device_of
+from mixprec.policy.dtypes import device_of, dtype_name
 from mixprec.policy.levels import Level, PathPin, make_recipe, resolve
 
 __all__ = ["CalibrationReport", "ModuleSensitivity", "calibrate", "relative_error"]
@@ -165,6 +164,11 @@ class _Search:
         worst = 0.0
         for (args, kwargs), ref in zip(batches, refs, strict=True):
             value = float(self.metric(model(*args, **kwargs), ref))
+            if value < 0:
+                raise ValueError(
+                    f"metric must return an error >= 0 (0: the output equals the float32 "
+                    f"reference); {self.metric!r} returned {value!r}"
+                )
             worst = max(worst, value if math.isfinite(value) else math.inf)
         return worst
 
@@ -240,7 +244,8 @@ def calibrate(
 
     Raises:
         TypeError: not a module; a metric that is not callable.
-        ValueError: a level other than O2/O3; a bad dtype or tolerance; no batch.
+        ValueError: a level other than O2/O3; a bad dtype or tolerance; no batch; a
+            metric that returns a negative error.
 
     Example:
         >>> fast, report = mixprec.calibrate(model, x, dtype="fp16", tolerance=1e-2)

@@ -26,12 +26,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec._check import require_module
 from mixprec.convert.module_level import convert_module_level
-from mixprec.diagnose.report import dtype_name
 from mixprec.policy import lists
-from mixprec.policy.dtypes import device_of
+from mixprec.policy.dtypes import device_of, dtype_name
 from mixprec.policy.levels import Level, Recipe, make_recipe, resolve
-from mixprec.training.scaling import FixedLossScaleManager, LossScaleManager, StaticLossScaler
+from mixprec.training.scaling import (
+    FixedLossScaleManager,
+    LossScaleManager,
+    LossScaler,
+    StaticLossScaler,
+)
 
 __all__ = ["Finding", "FindingKind", "LintReport", "lint"]
 
@@ -84,7 +89,8 @@ class LintReport:
         head = f"lint: level {self.level}, {self.dtype}"
         if not self.findings:
             return f"{head}: no findings"
-        return "\n".join([f"{head}: {len(self.findings)} findings", *(f"  {f}" for f in self)])
+        count = f"{len(self.findings)} finding{'s' if len(self.findings) > 1 else ''}"
+        return "\n".join([f"{head}: {count}", *(f"  {f}" for f in self)])
 
 
 def _runs_low(recipe: Recipe, network: nn.Module) -> dict[str, bool]:
@@ -205,8 +211,12 @@ def _zero_input(module: nn.Module) -> torch.Tensor | None:
 
 
 def _norm_nonfinite(module: nn.Module, recipe: Recipe, eps: float) -> bool:
-    """Run the layer alone, in the low dtype, on a zero-variance input."""
-    x = _zero_input(module)
+    """Run the layer alone, in the low dtype, on a zero-variance input (where that input
+    cannot be made or run, as for a huge layer, whether ``eps`` is 0 in the dtype)."""
+    try:
+        x = _zero_input(module)
+    except (RuntimeError, MemoryError):  # too large to allocate
+        x = None
     if x is not None:
         low = make_recipe(Level.O3, recipe.dtype, device_of(module))
         part = convert_module_level(module, low, output_dtype=None)
@@ -265,7 +275,7 @@ def lint(
     level: str | Level = "O2",
     dtype: torch.dtype | str | None = None,
     master_weights: bool = True,
-    loss_scale_manager: LossScaleManager | StaticLossScaler | None = None,
+    loss_scale_manager: LossScaleManager | LossScaler | None = None,
     fp32_modules: Any = None,
 ) -> LintReport:
     """Find settings that cannot work at ``level`` in ``dtype``, before training.
@@ -285,7 +295,8 @@ def lint(
         ``len()`` is the number of findings.
 
     Raises:
-        TypeError: ``network`` is not a module, ``optimizer`` not an optimizer.
+        TypeError: ``network`` is not a module, ``optimizer`` not an optimizer,
+            ``loss_scale_manager`` neither a manager nor a scaler.
         ValueError: unknown level or dtype.
 
     Example:
@@ -293,14 +304,20 @@ def lint(
         ...                       master_weights=False)
         >>> print(report)  # doctest: +SKIP
     """
-    if not isinstance(network, nn.Module):
-        raise TypeError(
-            f"network must be a torch.nn.Module; got {type(network).__name__}: {network!r}"
-        )
+    require_module(network)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or None; got {optimizer!r}")
     if not isinstance(master_weights, bool):
         raise TypeError(f"master_weights must be a bool; got {master_weights!r}")
+    if loss_scale_manager is not None and not isinstance(
+        loss_scale_manager, (LossScaleManager, LossScaler)
+    ):
+        raise TypeError(
+            "loss_scale_manager must be a LossScaleManager (FixedLossScaleManager, "
+            "DynamicLossScaleManager, ...), a functional loss scaler (StaticLossScaler, "
+            f"DynamicLossScaler) or None; got {type(loss_scale_manager).__name__}: "
+            f"{loss_scale_manager!r}"
+        )
     recipe = resolve(network, level, dtype, fp32_modules=fp32_modules, argument="level")
     parsed, low = recipe.level, recipe.dtype
     if parsed is Level.O0:

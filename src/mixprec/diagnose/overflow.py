@@ -26,16 +26,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec._check import require_module
 from mixprec.convert.api import auto_mixed_precision
 from mixprec.convert.plan import Conversion
 from mixprec.convert.structure import conversion_of
 from mixprec.diagnose.probes import Event, Phase, Recorder, preserved, tensor_leaves
-from mixprec.diagnose.report import Culprit, Fix, FixKind, OverflowReport, dtype_name
-from mixprec.policy.dtypes import device_of, resolve_dtype
+from mixprec.diagnose.report import Culprit, Fix, FixKind, OverflowReport
+from mixprec.policy.dtypes import device_of, dtype_name, resolve_dtype
 from mixprec.policy.levels import Level, recommend
 from mixprec.policy.ops import cast_tree
 
 __all__ = ["find_overflow", "probe"]
+
+#: The largest loss scale: the loss is scaled in float32 (as in the training step).
+_MAX_LOSS_SCALE = float(torch.finfo(torch.float32).max)
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -292,14 +296,16 @@ def find_overflow(
         target: the label passed to ``loss_fn``.
         level: the level to run at (``"O0"``-``"O3"``, ``"autocast"``, ``"auto"``).
         dtype: the low-precision dtype (None: the device's usual one).
-        loss_scale: what the loss is multiplied by before the backward (>= 1).
+        loss_scale: what the loss is multiplied by before the backward (from 1 to
+            float32's largest value).
 
     Returns:
         An :class:`OverflowReport`: prints readably, ``.to_dict()`` for JSON.
 
     Raises:
         TypeError: ``network`` is not a module; the output has nothing to differentiate.
-        ValueError: unknown level or dtype; ``loss_scale`` below 1.
+        ValueError: unknown level or dtype; ``loss_scale`` below 1, infinite or beyond
+            float32's range.
 
     Example:
         >>> report = mixprec.find_overflow(model, x, loss_fn=F.cross_entropy, target=y,
@@ -307,16 +313,16 @@ def find_overflow(
         >>> print(report)  # doctest: +SKIP
         >>> report.module  # the first module with a non-finite output, or None
     """
-    if not isinstance(network, nn.Module):
-        raise TypeError(
-            f"network must be a torch.nn.Module; got {type(network).__name__}: {network!r}"
-        )
+    require_module(network)
     if (
         isinstance(loss_scale, bool)
         or not isinstance(loss_scale, (int, float))
-        or not loss_scale >= 1
+        or not 1 <= loss_scale <= _MAX_LOSS_SCALE
     ):
-        raise ValueError(f"loss_scale must be a number >= 1; got {loss_scale!r}")
+        raise ValueError(
+            f"loss_scale must be a finite number from 1 to float32's largest value "
+            f"{_MAX_LOSS_SCALE:.4g}; got {loss_scale!r}"
+        )
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None; got {loss_fn!r}")
     conversion = conversion_of(network)

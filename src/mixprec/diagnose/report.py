@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any
 
 import torch
 
-from mixprec.diagnose.probes import Event, Phase
+from mixprec.diagnose.probes import Event
+from mixprec.policy.dtypes import dtype_name
 
-__all__ = ["Culprit", "Fix", "FixKind", "OverflowReport", "dtype_name"]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+__all__ = ["Culprit", "Fix", "FixKind", "OverflowReport"]
 
 
 class FixKind(str, enum.Enum):
@@ -161,12 +159,13 @@ class OverflowReport:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field."""
+        """A dict of every field for strict JSON: a non-finite number (a NaN or infinite
+        loss) is the string ``"nan"``, ``"inf"`` or ``"-inf"``, as JSON has none."""
         data = dataclasses.asdict(self)
         data["fix"]["kind"] = self.fix.kind.value
         data["nonfinite_params"] = list(self.nonfinite_params)
         data["found"] = self.found
-        return data
+        return _json_numbers(data)
 
     def __str__(self) -> str:
         head = f"find_overflow: level {self.level}, {self.dtype}, loss scale {self.loss_scale:g}"
@@ -194,5 +193,12 @@ class OverflowReport:
         return "\n".join(lines)
 
 
-def culprit_phase_is_forward(event: Event) -> bool:
-    return event.phase in (Phase.INPUT, Phase.OUTPUT)
+def _json_numbers(data: Any) -> Any:
+    """``data`` with each non-finite float as its name (``"nan"``, ``"inf"``, ``"-inf"``)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return str(data)
+    if isinstance(data, dict):
+        return {key: _json_numbers(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_json_numbers(value) for value in data]
+    return data
