@@ -65,10 +65,10 @@ def _poisoned(rank: int, mode: str) -> dict[str, Any]:
     return record
 
 
-def _accumulate(rank: int, world: int) -> dict[str, Any]:
+def _accumulate(rank: int, world: int, static_graph: bool = False) -> dict[str, Any]:
     """4 micro-batches per optimizer step: one gradient all-reduce, counted by a hook."""
     model = _model()
-    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp = nn.parallel.DistributedDataParallel(model, static_graph=static_graph)
     calls: list[int] = []
 
     def counting(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads the annotations
@@ -245,14 +245,125 @@ def _agreement(rank: int, world: int) -> dict[str, Any]:
         loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 100),
     )
     generator = torch.Generator().manual_seed(600 + rank)
-    step(*_batch(generator))
     before = _flat(model)
     if rank == 0:
         state = step.state_dict()
         state["_extra_state"]["loss_scale_manager"]["loss_scale"] = torch.tensor(65536.0)
         step.load_state_dict(state)
     load = _error(lambda: step(*_batch(generator)))
-    return {"build": build, "load": load, "unchanged": torch.equal(before, _flat(model))}
+    return {
+        "build": build,
+        "load": load,
+        "unchanged": torch.equal(before, _flat(model)),
+        **_local_decisions(rank),
+    }
+
+
+def _local_decisions(rank: int) -> dict[str, Any]:
+    """Rank-local choices are agreed when the step is built."""
+    import mixprec.boost.plan as plan
+
+    def build(fused: bool | None = None, **options: Any) -> amp.TrainStep:
+        model = _model()
+        return amp.build_train_network(
+            nn.parallel.DistributedDataParallel(model),
+            torch.optim.SGD(model.parameters(), lr=0.05, fused=fused),
+            nn.CrossEntropyLoss(),
+            "O2",
+            dtype="bf16",
+            **options,
+        )
+
+    out: dict[str, Any] = {
+        "emulate": _error(lambda: build(emulate=rank == 0)),
+        "pins": _error(lambda: build(fp32_modules=["0"] if rank else None)),
+        "host": _error(lambda: build(fused=True, after_skip=(lambda step: None) if rank else None)),
+        "groups": _error(
+            lambda: build(
+                loss_scale_manager=amp.GroupLossScaleManager(
+                    2.0 ** (10 + rank), [["0", "1"], ["3"]]
+                )
+            )
+        ),
+    }
+    # boost times the optimizer's kernels on each rank: every rank runs the first rank's
+    timed = plan.time_optimizer_impls
+    fastest = "foreach" if rank else "default"
+    plan.time_optimizer_impls = lambda optimizer, impls: {  # type: ignore[assignment]
+        k: (0.5 if k == fastest else 1.0) for k in impls
+    }
+    try:
+        step = build(boost_level="O1", boost_config={"compile": False})
+    finally:
+        plan.time_optimizer_impls = timed
+    out["kernels"] = [(g["fused"], g["foreach"]) for g in step.optimizer.param_groups]
+    return out
+
+
+def _budget(rank: int, world: int) -> dict[str, Any]:
+    """Per optimizer step under DDP: DDP's gradient all-reduces (a counting comm hook), the
+    collectives called from mixprec's code, and its host reads (Tensor -> Python)."""
+    import os
+    import sys
+
+    counts = {"collectives": 0, "syncs": 0}
+
+    def mine() -> bool:
+        return f"{os.sep}mixprec{os.sep}" in sys._getframe(2).f_code.co_filename
+
+    def counting(kind: str, original: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counts[kind] += mine()
+            return original(*args, **kwargs)
+
+        return counted
+
+    patched = [(dist, n) for n in ("all_reduce", "all_gather_object", "broadcast_object_list")]
+    patched += [(torch.Tensor, n) for n in ("item", "__bool__", "__float__", "__int__", "tolist")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in patched]
+    out: dict[str, Any] = {}
+    for optimizer in ("sgd", "sgd-fused"):
+        model = _model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        calls: list[int] = []
+
+        def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads the annotations
+            state.append(1)
+            work = dist.all_reduce(bucket.buffer().div_(world), async_op=True)
+            return work.get_future().then(lambda f: f.value()[0])
+
+        ddp.register_comm_hook(calls, hook)
+        step = amp.build_train_network(
+            ddp,
+            torch.optim.SGD(model.parameters(), lr=0.05, fused=optimizer == "sgd-fused"),
+            nn.CrossEntropyLoss(),
+            "O2",
+            dtype="bf16",
+            loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 100),
+        )
+        step.LIMIT_CHECK_INTERVAL = 4
+        generator = torch.Generator().manual_seed(800 + rank)
+        rows = []
+        for i in range(6):
+            x, y = _batch(generator)
+            if i == 2 and rank == 1:
+                x[0, 0] = float("inf")  # rank 1 only: DDP's all-reduce carries it to rank 0
+            for owner, name, original in saved:
+                setattr(
+                    owner,
+                    name,
+                    counting("syncs" if owner is torch.Tensor else "collectives", original),
+                )
+            try:
+                step(x, y)
+            finally:
+                for owner, name, original in saved:
+                    setattr(owner, name, original)
+            rows.append((len(calls), counts["collectives"], counts["syncs"], step.overflow))
+            calls.clear()
+            counts.update(collectives=0, syncs=0)
+        out[optimizer] = {"rows": rows, "params": _flat(model), "scale": step.loss_scale}
+    return out
 
 
 def _scenarios(rank: int, world: int) -> dict[str, Any]:
@@ -261,10 +372,12 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         ("ddp", lambda r, w: _poisoned(r, "ddp")),
         ("plain", lambda r, w: _poisoned(r, "plain")),
         ("accumulate", _accumulate),
+        ("static_graph", lambda r, w: _accumulate(r, w, static_graph=True)),
         ("join", _join),
         ("wrapper", _wrapper),
         ("checkpoint", _checkpoint),
         ("agreement", _agreement),
+        ("budget", _budget),
     ):
         out[name] = fn(rank, world)
         dist.barrier()
@@ -273,7 +386,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run(_scenarios, tmp_path_factory.mktemp("ddp"))
+    return run(_scenarios, tmp_path_factory.mktemp("ddp"), bound=300.0)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -306,6 +419,15 @@ def test_accumulation_all_reduces_once_per_optimizer_step(ranks: list[dict[str, 
     assert rank0["all_reduces"] == rank1["all_reduces"] == 2
     assert _same(rank0["params"], rank1["params"])
     # the same weights as one process on every rank's micro-batches (float32, summation order)
+    torch.testing.assert_close(rank0["params"], rank0["reference"], rtol=1e-5, atol=1e-6)
+
+
+def test_static_graph_ddp_accumulates(ranks: list[dict[str, Any]]) -> None:
+    """static_graph=True: DDP records the graph on its first synced backward, so the very
+    first micro-batch is reduced too (one extra all-reduce, the same weights)."""
+    rank0, rank1 = (r["static_graph"] for r in ranks)
+    assert rank0["all_reduces"] == rank1["all_reduces"] == 3
+    assert _same(rank0["params"], rank1["params"])
     torch.testing.assert_close(rank0["params"], rank0["reference"], rtol=1e-5, atol=1e-6)
 
 
@@ -368,6 +490,47 @@ def test_ranks_that_disagree_fail_together_naming_ranks_and_values(
             "rank 0: 65536.0, rank 1: 1024.0. Did only some ranks load a checkpoint?"
         )
         assert result["unchanged"]  # the disagreeing step was skipped on every rank
+        when = "mixprec: the ranks disagree when the training step is built on "
+        assert result["emulate"].startswith(when + "emulate: rank 0: True, rank 1: False")
+        pins = when + "fp32_modules: rank 0: [], rank 1: ['0']"
+        assert result["pins"].startswith(pins), result["pins"]
+        host = when + "decides skips on: rank 0: 'the device', rank 1: 'the host'"
+        assert result["host"].startswith(host), result["host"]
+        # every group's scale, not only the last one's
+        groups = "loss-scale state: rank 0: {'loss_scales': [1024.0, 1024.0]"
+        assert groups in result["groups"], result["groups"]
+        assert "rank 1: {'loss_scales': [2048.0, 2048.0]" in result["groups"]
+        assert result["kernels"] == [(None, None)]  # rank 0's choice: the default
+
+
+def test_ddp_steps_send_nothing_of_their_own_and_read_the_host_once(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """(gradient all-reduces, mixprec's collectives, mixprec's host reads, overflow) per
+    step: the overflow comes from DDP's all-reduced gradients; the loss-scale states are
+    compared on the first and every 4th step here (every 50th by default)."""
+    for r in ranks:
+        sgd, fused = r["budget"]["sgd"], r["budget"]["sgd-fused"]
+        assert sgd["rows"] == [
+            (1, 1, 1, False),  # the first step compares the states: one small all-reduce
+            (1, 0, 1, False),
+            (1, 0, 2, True),  # rank 1's inf skips both; a skip also reads the agreement flag
+            (1, 0, 1, False),
+            (1, 1, 1, False),
+            (1, 0, 1, False),
+        ], sgd["rows"]
+        assert fused["rows"] == [
+            (1, 1, 1, False),  # decided on the device: the agreement flag read when compared
+            (1, 0, 0, False),
+            (1, 0, 0, True),
+            (1, 0, 1, False),  # the overflow-limit check reads the ledger: every 4th step
+            (1, 1, 1, False),
+            (1, 0, 0, False),
+        ], fused["rows"]
+    for optimizer in ("sgd", "sgd-fused"):
+        a, b = (r["budget"][optimizer] for r in ranks)
+        assert _same(a["params"], b["params"])
+        assert a["scale"] == b["scale"] == 512.0
 
 
 def test_no_collective_in_one_process() -> None:

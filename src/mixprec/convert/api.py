@@ -20,6 +20,7 @@ from mixprec.convert.emulate import install_emulation
 from mixprec.convert.graph import convert_graph
 from mixprec.convert.module_level import convert_module_level
 from mixprec.convert.structure import find_converted
+from mixprec.distributed.shard import refuse_sharded
 from mixprec.policy import lists
 from mixprec.policy.dtypes import device_of, dtype_name, warn_if_slow
 from mixprec.policy.levels import Level, Pins, Recipe, check_list, resolve
@@ -157,12 +158,13 @@ def convert(network: nn.Module, recipe: Recipe, *, emulate: bool = False) -> nn.
     Raises:
         TypeError: ``network`` is not a module.
         ValueError: ``network`` (or a submodule) is already converted; it holds float16 or
-            bfloat16 parameters (at a level other than O0).
+            bfloat16 parameters (at a level other than O0); it is sharded by FSDP2.
     """
     network = check_network(network, recipe.level)
     check_emulate(emulate)
     if recipe.level is Level.O0:
         return network
+    refuse_sharded(network)
     if not emulate:
         warn_if_slow(recipe.dtype, device_of(network))
     if recipe.level in (Level.O2, Level.O3):

@@ -1,7 +1,8 @@
 """The ranks a training step agrees with, and what they agree on.
 
-Every optimizer step under ``torch.distributed`` all-reduces (MAX) one small vector over
-the step's process group::
+An optimizer step under ``torch.distributed`` all-reduces (MAX) one small vector over the
+step's process group (under DDP only on the first and every 50th step: DDP's all-reduced
+gradients already carry every rank's inf/NaN)::
 
     [found_inf, -first_scale, scale, -scale, good_steps, -good_steps, bad_steps, -bad_steps]
 
@@ -9,8 +10,9 @@ so that every rank skips the same steps (``found_inf``, from each rank's own gra
 under FSDP, its own shard), an fp16 step's first scale is the smallest any rank chose,
 and the loss-scale state is compared for free: ``max(x) == -max(-x)`` exactly when every
 rank holds the same ``x``. Ranks that disagree skip the step together (nothing diverges)
-and raise at the next host read, with every rank's values. The configuration (level,
-dtype, what ``auto`` chose) is compared once, when the step is built.
+and raise together, with every rank's values. The configuration (level, dtype, what
+``auto`` chose, the loss-scale state, pins, boost choices, ...) is compared once, when the
+step is built; boost's timed optimizer-kernel choice is the first rank's on every rank.
 
 The process group is, in order: the ``process_group`` passed in, the
 ``DistributedDataParallel``'s own group, the FSDP2 device mesh's groups (one all-reduce
@@ -23,13 +25,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 __all__ = ["Replicas", "ddp_of", "find_replicas", "fsdp_of", "is_distributed"]
+
+T = TypeVar("T")
 
 #: what the vector's state entries mean, in order (each entry appears as x and -x)
 _STATE_FIELDS = ("scale", "good_steps", "bad_steps")
@@ -126,6 +130,31 @@ class Replicas:
             seen.update(dict(out))
         return sorted(seen.items())
 
+    def adopt_first(self, value: T) -> T:
+        """The first rank's ``value`` on every rank (a broadcast over each group in turn:
+        ranks that agree on every group's first rank agree everywhere)."""
+        for group in self.groups:
+            box = [value]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            value = box[0]
+        return value
+
+    def adopt_optimizer_kernels(self, optimizer: torch.optim.Optimizer, decision: T) -> T:
+        """Every rank runs the first rank's optimizer kernels (``fused``/``foreach``), which
+        boost chooses by timing them on each rank (replicas stepping with different kernels
+        drift apart); returns the first rank's ``decision`` (boost's record of the choice)."""
+        if not self.active:
+            return decision
+        own = [(g.get("fused"), g.get("foreach")) for g in optimizer.param_groups]
+        chosen, decision = self.adopt_first((own, decision))
+        for group, (fused, foreach) in zip(optimizer.param_groups, chosen, strict=True):
+            group["fused"], group["foreach"] = fused, foreach
+        if any(fused for fused, _ in chosen):
+            optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+        else:
+            optimizer.__dict__.pop("_step_supports_amp_scaling", None)
+        return decision
+
     def check(self, facts: Mapping[str, object], when: str, advice: str) -> None:
         """Raise the same ``ValueError`` on every rank unless all ranks hold the same
         ``facts`` (a collective: every rank of the group must call it)."""
@@ -134,6 +163,17 @@ class Replicas:
         mismatch = disagreement(self.gather(dict(facts)), when, advice)
         if mismatch:
             raise ValueError(mismatch)
+
+
+def plain(value: object) -> object:
+    """``value`` with tensors as Python numbers and lists, for comparing across ranks."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
 
 
 def disagreement(gathered: list[tuple[int, Any]], when: str, advice: str) -> str:

@@ -3,11 +3,14 @@ holds (``step.agreement``).
 
 * the forward goes through the user's DDP wrapper, left as it was: its ``module`` is the
   converted network for the duration of the call only (:meth:`Agreement.run`);
-* gradients are reduced on the last micro-batch of an optimizer step only (``no_sync``
-  for DDP, ``set_requires_gradient_sync(False)`` for FSDP2, before it:
-  :meth:`Agreement.communication`);
-* one agreement all-reduce per optimizer step (:meth:`Agreement.agree`); ranks whose
-  loss-scale states differ skip together and raise at the next host read
+* under DDP gradients are reduced on the last micro-batch of an optimizer step only
+  (``no_sync`` before it); under FSDP2 on every micro-batch (each rank keeps its shard
+  only) unless the model was sharded with ``sync_every_micro_batch=False``
+  (:meth:`Agreement.communication`);
+* the overflow agreed (:meth:`Agreement.agree`): under DDP read from its all-reduced
+  gradients (no collective of the step's own but on the first and every 50th step, which
+  compare the loss-scale states), otherwise one small all-reduce per optimizer step;
+  ranks whose loss-scale states differ skip together and raise together
   (:meth:`Agreement.check`);
 * the agreement is the ``Joinable`` behind ``step.join()``, see :mod:`mixprec.distributed.join`.
 
@@ -28,6 +31,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from mixprec.distributed.join import StepJoinHook
 from mixprec.distributed.replicas import Replicas, disagreement
+from mixprec.distributed.shard import sharded_level
 
 __all__ = ["Agreement", "local_shard", "without_ddp_prefix"]
 
@@ -101,7 +105,10 @@ class Agreement(Joinable):
 
     @contextlib.contextmanager
     def communication(self, last: bool) -> Iterator[None]:
-        """Gradients are reduced on the last micro-batch of an optimizer step only."""
+        """Under DDP gradients are reduced on the last micro-batch of an optimizer step only
+        (and on the very first backward of a ``static_graph=True`` DDP, which records the
+        graph then); under FSDP2 on every micro-batch unless the model was sharded with
+        ``sync_every_micro_batch=False``."""
         work = Join.notify_join_context(self)
         if work is not None:
             work.wait()
@@ -110,9 +117,16 @@ class Agreement(Joinable):
         if last:
             yield
         elif ddp is not None:
+            if ddp.static_graph and not ddp._static_graph_delay_allreduce_enqueued:
+                yield  # DDP's first synced backward records the static graph
+                return
             with ddp.no_sync():
                 yield
         elif fsdp is not None:
+            shard = sharded_level(fsdp)
+            if shard is None or shard.sync_every_micro_batch:
+                yield  # each micro-batch reduce-scatters: a rank keeps its shard only
+                return
             fsdp.set_requires_gradient_sync(False)
             try:
                 yield
@@ -132,8 +146,9 @@ class Agreement(Joinable):
         ):
             raise RuntimeError(
                 "mixprec training step inside ddp.join(): a rank that runs out of inputs would "
-                "not answer the step's agreement all-reduce. Use `with step.join():` instead "
-                "(it joins the DDP wrapper and the step together)"
+                "not learn the others' overflows (its loss scale would fall behind theirs) nor "
+                "answer the step's loss-scale check. Use `with step.join():` instead (it joins "
+                "the DDP wrapper and the step together)"
             )
 
     def join(self, *, enable: bool = True, throw_on_early_termination: bool = False) -> Join:
@@ -160,24 +175,47 @@ class Agreement(Joinable):
         return ddp.process_group if ddp is not None else self.replicas.group
 
     def agree(
-        self, found: torch.Tensor, chosen: torch.Tensor | None, state: Any, check: bool
+        self,
+        found: torch.Tensor,
+        chosen: torch.Tensor | None,
+        state: Any,
+        check: bool,
+        *,
+        interval: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The one all-reduce of an optimizer step: the agreed overflow flag (zero when
-        ``check`` is False) and first scale; ranks whose loss-scale states (``state``, a
-        :class:`~mixprec.training.scale_state.ScaleState` or None) differ all skip."""
+        """The agreed overflow flag (zero when ``check`` is False) and first scale; ranks
+        whose loss-scale states (``state``, a :class:`~mixprec.training.scale_state.ScaleState`
+        or None) differ all skip.
+
+        Under DDP (outside ``step.join()``) the gradients are already all-reduced: any rank's
+        inf/NaN is in every rank's, so ``found`` and ``chosen`` are already the same on every
+        rank and nothing is sent, except on the first optimizer step and every
+        ``interval``-th, which compare the loss-scale states. Otherwise: one all-reduce."""
         if not self.replicas.active:
+            return (found if check else torch.zeros_like(found)), chosen
+        due = self._agreed_steps % interval == 0
+        self._agreed_steps += 1
+        if self.by_gradients and not due:
             return (found if check else torch.zeros_like(found)), chosen
         found, chosen, disagree = self.replicas.agree_step(found, chosen, state)
         self._disagree = torch.maximum(self._disagree.to(disagree.device), disagree)
-        self._agreed_steps += 1
         return (torch.maximum(found, disagree) if check else torch.zeros_like(found)), chosen
 
-    def check(self, state: Any, *, host_read: bool, interval: int) -> None:
-        """Raise once the ranks' loss-scale states have differed: at a step that reads the
-        host anyway (``host_read``), otherwise every ``interval``-th agreed step."""
-        if not self.replicas.active:
+    @property
+    def by_gradients(self) -> bool:
+        """Whether the overflow is read from DDP's all-reduced gradients (no collective of
+        the step's own): under DDP, unless the step ever ran in ``step.join()`` (whose joined
+        ranks learn the others' overflows from the agreement all-reduce)."""
+        return self.replicas.ddp is not None and not self._join_config.enable
+
+    def check(self, state: Any, *, skipped: bool | None, interval: int) -> None:
+        """Raise once the ranks' loss-scale states have differed. A difference makes every
+        rank skip, so a step known to be applied (``skipped`` False) reads nothing more
+        from the host; one known skipped reads the flag; one decided on the device (None)
+        reads it every ``interval``-th agreed step (the first included)."""
+        if not self.replicas.active or skipped is False:
             return
-        if not host_read and self._agreed_steps % interval:
+        if skipped is None and (self._agreed_steps - 1) % interval:
             return
         if not self._disagree.item():
             return

@@ -23,13 +23,13 @@ from torch import nn
 
 from mixprec._warn import warn
 from mixprec.convert.api import check_network, convert
-from mixprec.distributed.replicas import Replicas, ddp_of, find_replicas, fsdp_of
-from mixprec.distributed.shard import sharded_level
-from mixprec.policy.dtypes import dtype_name, resolve_dtype
-from mixprec.policy.levels import Level, Pins, Recipe, resolve
+from mixprec.distributed.replicas import Replicas, ddp_of, find_replicas, fsdp_of, plain
+from mixprec.distributed.shard import check_sharded_step
+from mixprec.policy.dtypes import resolve_dtype
+from mixprec.policy.levels import Level, Pins, Precision, Recipe, resolve
 from mixprec.training.master import MasterWeights
 from mixprec.training.scaling import DynamicLossScaleManager, LossScaleManager
-from mixprec.training.step import StepHooks, TrainConfig, TrainStep
+from mixprec.training.step import StepHooks, TrainConfig, TrainStep, _fused_skip_ready
 
 if TYPE_CHECKING:
     from mixprec.boost.config import BoostLevel
@@ -367,7 +367,9 @@ def build_train_network(
     )
     if isinstance(manager, LossScaleManager):
         manager.check_network(inner)
-    _check_wrapped(inner, replicas, config)
+    pins = {"fp32_modules": fp32_modules, "low_modules": low_modules}
+    options = {**pins, "keep_batchnorm_fp32": keep_batchnorm_fp32}
+    _check_wrapped(inner, replicas, config, emulate, options)
     # under FSDP2 the parameters are FSDP2's to cast (see mixprec.distributed.fully_shard)
     converted = inner if fsdp is not None else convert(inner, recipe, emulate=emulate)
     masters = None
@@ -380,6 +382,9 @@ def build_train_network(
         pairs = [] if masters is None else list(zip(masters.masters, masters.lows, strict=True))
         manager.attach(converted, pairs)
     plan = plan_boost(boost, boost_options, converted, optimizer, ddp, masters)
+    if plan is not None:  # boost times the kernels per rank: every rank runs the first's
+        decision = plan.decisions["optimizer"]
+        plan.decisions["optimizer"] = replicas.adopt_optimizer_kernels(optimizer, decision)
     if manager is DEFAULT:
         manager = None
         if config.dtype == torch.float16:  # float16 gradients underflow without scaling
@@ -395,6 +400,11 @@ def build_train_network(
             "accumulation_steps": config.accumulation_steps,
             "clip_grad_norm": config.clip_grad_norm,
             "loss_scale_manager": repr(manager),
+            "loss-scale state": None if manager is None else plain(manager.state_dict()),
+            "emulate": emulate,
+            **{name: _pinned(inner, recipe, pin) for name, pin in _PINS.items()},
+            "boost": None if plan is None else {k: d.on for k, d in plan.decisions.items()},
+            "decides skips on": _decides_on(manager, hooks, optimizer, debug_overflow),
         },
         "when the training step is built",
         "Build the same step on every rank: pass level and dtype explicitly (not 'auto' on "
@@ -415,8 +425,37 @@ def build_train_network(
     return step
 
 
-def _check_wrapped(inner: nn.Module, replicas: Replicas, config: TrainConfig) -> None:
-    """DDP reduces the Parameters it was built on; FSDP2 casts the ones it shards."""
+_PINS = {"fp32_modules": Precision.FP32, "low_modules": Precision.LOW}
+
+
+def _pinned(network: nn.Module, recipe: Recipe, pin: Precision) -> list[str]:
+    """The modules a pin names (by name: comparable across ranks, unlike a filter)."""
+    return [name for name, m in network.named_modules() if recipe.pinned(m, name) is pin]
+
+
+def _decides_on(
+    manager: LossScaleManager | None, hooks: StepHooks, optimizer: Any, debug: bool
+) -> str:
+    """Whether the step's skip is decided on the device or the host (every rank must
+    decide alike: a host decision all-reduces where a device one does not)."""
+    device = (
+        (manager is None or manager.device_state() is not None)
+        and not hooks.need_host_decision
+        and not debug
+        and _fused_skip_ready(optimizer)
+    )
+    return "the device" if device else "the host"
+
+
+def _check_wrapped(
+    inner: nn.Module,
+    replicas: Replicas,
+    config: TrainConfig,
+    emulate: bool,
+    options: Mapping[str, object],
+) -> None:
+    """DDP reduces the Parameters it was built on; FSDP2 casts the ones it shards (with
+    the options it was sharded with)."""
     if replicas.ddp is not None and config.cast_model_type != torch.float32:
         raise ValueError(
             f"cast_model_type={config.cast_model_type} under DistributedDataParallel: DDP reduces "
@@ -432,22 +471,7 @@ def _check_wrapped(inner: nn.Module, replicas: Replicas, config: TrainConfig) ->
             f"cast_model_type={config.cast_model_type} under FSDP2: FSDP2 casts the sharded "
             "float32 Parameters itself (its MixedPrecisionPolicy); leave cast_model_type out"
         )
-    shard = sharded_level(inner)
-    low = "" if config.dtype is None else f", {dtype_name(config.dtype)!r}"
-    if shard is None and config.level is not Level.O0:
-        raise ValueError(
-            f"level {config.level.value!r} on a model sharded by torch's fully_shard: FSDP2 "
-            "gathers and swaps in the Parameters itself, so mixprec cannot cast them at use. "
-            f"Shard with mixprec.distributed.fully_shard(model, {config.level.value!r}{low}) "
-            "(FSDP2 then casts per module as the level says), or keep your own "
-            "MixedPrecisionPolicy and build the step at level 'O0'"
-        )
-    if shard is not None and (shard.level, shard.dtype) != (config.level, config.dtype):
-        raise ValueError(
-            f"the model was sharded at level {shard.level.value!r} ({shard.dtype}) by "
-            f"mixprec.distributed.fully_shard; build the step at the same level and dtype, not "
-            f"{config.level.value!r} ({config.dtype})"
-        )
+    check_sharded_step(inner, config.level, config.dtype, emulate=emulate, options=options)
 
 
 def _repoint(optimizer: torch.optim.Optimizer, masters: MasterWeights) -> None:

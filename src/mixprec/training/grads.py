@@ -98,8 +98,10 @@ def all_finite(tensors: Iterable[torch.Tensor | None] | torch.Tensor) -> torch.T
             # (device, dtype) group into a few launches. The AMP check-and-unscale kernel with
             # a unit scale gives the same answer but writes every element (bumping version
             # counters, refusing leaves that require grad), so it costs twice the traffic.
-            norms = torch._foreach_norm(group, ord=math.inf)
-            flags.append(torch.stack(norms).isfinite().all())
+            group = [t for t in group if t.numel()]  # an FSDP2 shard may be empty
+            if group:
+                norms = torch._foreach_norm(group, ord=math.inf)
+                flags.append(torch.stack(norms).isfinite().all())
     if not flags:
         return torch.tensor(True)
     if len(flags) == 1:

@@ -20,8 +20,9 @@ to drop); refresh of the low-precision weights; the loss-scale update on the dev
 
 Under ``torch.distributed`` (:mod:`mixprec.distributed`): the step calls the user's DDP
 wrapper (left as it was) with the converted network in place for the call, reduces
-gradients on the last micro-batch only (``no_sync`` before it), agrees with its process
-group in one all-reduce per optimizer step, and joins uneven inputs (``step.join()``): all
+gradients on the last micro-batch only (``no_sync`` before it; FSDP2 every micro-batch),
+agrees with its process group (under DDP from the all-reduced gradients, otherwise in one
+all-reduce per optimizer step), and joins uneven inputs (``step.join()``): all
 through the replica agreement it holds (``step.agreement``, :mod:`mixprec.distributed.step`).
 
 Host syncs: at most one per optimizer step (reading the overflow flag before the optimizer
@@ -55,6 +56,7 @@ from mixprec.training.step_state import (
     check_checkpoint,
     check_extra_state,
     choose_initial_scale,
+    settled_initial_scale,
 )
 
 if TYPE_CHECKING:
@@ -458,11 +460,15 @@ class TrainStep(nn.Module):
                 found = _unscale_grads(local, inverse)
             else:
                 replicas = self.agreement.replicas
-                agree = replicas.all_reduce_max if replicas.active else None
+                by_gradients = self.agreement.by_gradients  # DDP: already the same everywhere
+                active = replicas.active and not by_gradients
+                agree = replicas.all_reduce_max if active else None
                 found = manager.unscale_step(params, local, inverse, agree)
             if self._warming_up and state is not None and state.dynamic:
                 chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
-            found, chosen = self.agreement.agree(found, chosen, state, check)
+            found, chosen = self.agreement.agree(
+                found, chosen, state, check, interval=self.LIMIT_CHECK_INTERVAL
+            )
             mark_unscaled(grads, found)
             self.found_inf = found
             if self.hooks.after_unscale is not None:
@@ -474,11 +480,13 @@ class TrainStep(nn.Module):
                 and self._debugger is None
                 and _fused_skip_ready(self.optimizer)
             )
-            self.agreement.check(state, host_read=not on_device, interval=self.LIMIT_CHECK_INTERVAL)
             applied: bool | None = True  # without a check, every step is applied
             if check:
                 self._ledger.update(found)
                 applied = None if on_device else not self._ledger.read_now()[0]  # the one sync
+            interval = self.LIMIT_CHECK_INTERVAL
+            skipped = None if applied is None else not applied
+            self.agreement.check(state, skipped=skipped, interval=interval)
             if applied is not False:
                 norm = self._total_norm(grads)
                 if self.config.clip_grad_norm is not None:
@@ -534,7 +542,8 @@ class TrainStep(nn.Module):
         if state is None:
             manager.update_loss_scale(self._ledger.read()[0])
             return
-        manager.update_on_device(found, chosen)
+        settled = None if chosen is None else settled_initial_scale(chosen)
+        manager.update_on_device(found, settled)
 
     def _check_limits(self, known: bool) -> None:
         if not known and self.optimizer_steps % self.LIMIT_CHECK_INTERVAL:
@@ -599,7 +608,9 @@ class TrainStep(nn.Module):
         warm = self._warming_up and state is not None and state.dynamic
         chosen = torch.full_like(nothing, math.inf) if warm else None
         try:
-            found, chosen = self.agreement.agree(nothing, chosen, state, check)
+            found, chosen = self.agreement.agree(
+                nothing, chosen, state, check, interval=self.LIMIT_CHECK_INTERVAL
+            )
             if check:
                 self._ledger.update(found)
             self._update_scale(manager, state, found, chosen)

@@ -68,15 +68,19 @@ class StepLedger:
 
 def choose_initial_scale(grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The power of two that brings the largest gradient (taken at scale 1) near
-    :data:`INITIAL_GRADIENT_TARGET`, in ``[1, 2**24]``; 2**16 when all are zero (no sync).
+    :data:`INITIAL_GRADIENT_TARGET`, in ``[1, 2**24]`` (no sync); ``inf`` when no gradient
+    tells (none, all empty, all zero, or not finite): across ranks the smallest choice wins,
+    so a rank holding only empty FSDP2 shards has no say. :func:`settled_initial_scale`
+    turns ``inf`` into 2**16.
 
     Example:
         >>> choose_initial_scale([torch.tensor([0.01, -0.002])], torch.float16)
         tensor(65536.)
     """
     del dtype  # the target is float16's; bfloat16 steps need no scale
+    grads = [g for g in grads if g.numel()]  # an FSDP2 shard may be empty
     if not grads:
-        return torch.tensor(2.0**16)
+        return torch.tensor(math.inf)
     device = grads[0].device
     values = [(g._values() if g.is_sparse else g).float() for g in grads]
     norms = torch._foreach_norm([v for v in values if v.numel()] or [torch.zeros(1)], ord=math.inf)
@@ -84,7 +88,12 @@ def choose_initial_scale(grads: list[torch.Tensor], dtype: torch.dtype) -> torch
     exponent = torch.floor(torch.log2(INITIAL_GRADIENT_TARGET / amax))
     chosen = torch.exp2(exponent).clamp(1.0, INITIAL_SCALE_CAP)
     usable = (amax > 0) & amax.isfinite()
-    return torch.where(usable, chosen, torch.full_like(chosen, 2.0**16))
+    return torch.where(usable, chosen, torch.full_like(chosen, math.inf))
+
+
+def settled_initial_scale(chosen: torch.Tensor) -> torch.Tensor:
+    """The (agreed) choice of :func:`choose_initial_scale`, 2**16 where nothing told."""
+    return torch.where(chosen.isinf(), torch.full_like(chosen, 2.0**16), chosen)
 
 
 _V1_KEYS = ("loss_scale_manager", "masters", "overflow", "skipped_steps", "optimizer_steps")
