@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mixprec._warn import warn
+from mixprec.convert.declared import with_declared_pins
 from mixprec.convert.emulate import install_emulation
 from mixprec.convert.graph import convert_graph
 from mixprec.convert.module_level import convert_module_level
@@ -73,6 +74,7 @@ def auto_mixed_precision(
     low_modules: Pins = None,
     lint: bool = False,
     emulate: bool = False,
+    declared_fp32: bool = True,
 ) -> nn.Module:
     """Convert a model to a mixed-precision level.
 
@@ -93,6 +95,8 @@ def auto_mixed_precision(
             kernels on the rounded inputs, rounding each result (and gradient) to the low
             dtype: the level's numerics at float32 speed on a machine without native
             low precision (see :mod:`mixprec.convert.emulate`). No effect at O0.
+        declared_fp32: keep the modules the model declares float32 (transformers'
+            ``_keep_in_fp32_modules(_strict)``, see :mod:`mixprec.convert.declared`) in float32.
 
     Returns:
         The converted model (the network itself for O0): a module of the original's
@@ -115,7 +119,7 @@ def auto_mixed_precision(
     recipe = resolve(network, amp_level, dtype, fp32_modules=fp32_modules, low_modules=low_modules)
     if lint and recipe.level is not Level.O0:
         _warn_lint(network, recipe, fp32_modules)
-    return convert(network, recipe, emulate=emulate)
+    return convert(network, recipe, emulate=emulate, declared_fp32=declared_fp32)
 
 
 def _warn_lint(network: nn.Module, recipe: Recipe, fp32_modules: Pins) -> None:
@@ -133,7 +137,9 @@ def check_emulate(emulate: object) -> bool:
     return emulate
 
 
-def convert(network: nn.Module, recipe: Recipe, *, emulate: bool = False) -> nn.Module:
+def convert(
+    network: nn.Module, recipe: Recipe, *, emulate: bool = False, declared_fp32: bool = True
+) -> nn.Module:
     """The one front door of conversion: ``network`` converted by a resolved policy.
 
     Every entry point (``auto_mixed_precision``, ``custom_mixed_precision``,
@@ -150,6 +156,10 @@ def convert(network: nn.Module, recipe: Recipe, *, emulate: bool = False) -> nn.
     check_emulate(emulate)
     if recipe.level is Level.O0:
         return network
+    if not isinstance(declared_fp32, bool):
+        raise TypeError(f"declared_fp32 must be a bool (True or False); got {declared_fp32!r}")
+    if declared_fp32:
+        recipe = with_declared_pins(network, recipe)
     if not emulate:
         warn_if_slow(recipe.dtype, device_of(network))
     if recipe.level in (Level.O2, Level.O3):
@@ -168,11 +178,13 @@ def custom_mixed_precision(
     fp32_modules: Pins = None,
     low_modules: Pins = None,
     emulate: bool = False,
+    declared_fp32: bool = True,
 ) -> nn.Module:
     """Convert with your own list: exactly one of ``white_list`` or ``black_list``.
 
     A white list (module classes and functions) takes the O1 path with that list; a black
-    list (module classes) takes the O2 path with that list. Pins and ``emulate`` work as
+    list (module classes) takes the O2 path with that list. Pins, ``emulate`` and
+    ``declared_fp32`` work as
     in :func:`auto_mixed_precision`; pins beat the list.
 
     Raises:
@@ -218,4 +230,4 @@ def custom_mixed_precision(
                 ", ".join(left_out),
                 dtype_name(recipe.dtype),
             )
-    return convert(network, recipe, emulate=emulate)
+    return convert(network, recipe, emulate=emulate, declared_fp32=declared_fp32)
