@@ -28,6 +28,7 @@ PUBLIC = {
     "LossScaler",
     "OverflowReport",
     "StaticLossScaler",
+    "StepMetrics",
     "TrainStep",
     "all_finite",
     "auto_mixed_precision",
@@ -39,6 +40,7 @@ PUBLIC = {
     "get_black_list",
     "get_white_list",
     "lint",
+    "unscale_",
 }
 
 

@@ -23,7 +23,7 @@ from mixprec.diagnose import (
 )
 from mixprec.policy.levels import Level
 from mixprec.training.build import build_train_network
-from mixprec.training.grads import all_finite
+from mixprec.training.grads import all_finite, unscale_
 from mixprec.training.scaling import (
     DynamicLossScaleManager,
     DynamicLossScaler,
@@ -32,7 +32,7 @@ from mixprec.training.scaling import (
     LossScaler,
     StaticLossScaler,
 )
-from mixprec.training.step import TrainStep
+from mixprec.training.step import StepMetrics, TrainStep
 
 __all__ = [
     "CalibrationReport",
@@ -47,6 +47,7 @@ __all__ = [
     "LossScaler",
     "OverflowReport",
     "StaticLossScaler",
+    "StepMetrics",
     "TrainStep",
     "all_finite",
     "auto_mixed_precision",
@@ -58,6 +59,7 @@ __all__ = [
     "get_black_list",
     "get_white_list",
     "lint",
+    "unscale_",
 ]
 
 __version__ = "0.1.0"

@@ -1,34 +1,35 @@
-"""The training step's share of many processes (a mixin of :class:`mixprec.TrainStep`).
+"""The replica agreement: the training step's share of many processes, an object the step
+holds (``step.agreement``).
 
 * the forward goes through the user's DDP wrapper, left as it was: its ``module`` is the
-  converted network for the duration of the call only;
+  converted network for the duration of the call only (:meth:`Agreement.run`);
 * gradients are reduced on the last micro-batch of an optimizer step only (``no_sync``
-  for DDP, ``set_requires_gradient_sync(False)`` for FSDP2, before it);
-* one agreement all-reduce per optimizer step (:meth:`Replicas.agree_step`); ranks whose
-  loss-scale states differ skip together and raise at the next host read;
-* the step is a ``Joinable`` (``step.join()``), see :mod:`mixprec.distributed.join`.
+  for DDP, ``set_requires_gradient_sync(False)`` for FSDP2, before it:
+  :meth:`Agreement.communication`);
+* one agreement all-reduce per optimizer step (:meth:`Agreement.agree`); ranks whose
+  loss-scale states differ skip together and raise at the next host read
+  (:meth:`Agreement.check`);
+* the agreement is the ``Joinable`` behind ``step.join()``, see :mod:`mixprec.distributed.join`.
+
+In one process every part is a no-op. The agreement knows nothing of the step: it is given
+the replicas, where the step's parameters live, and what a joined rank does in place of a
+micro-batch (a callable of the step).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from mixprec.distributed import join as _join
+from mixprec.distributed.join import StepJoinHook
 from mixprec.distributed.replicas import Replicas, disagreement
 
-if TYPE_CHECKING:
-    from mixprec.training.scaling import LossScaleManager
-    from mixprec.training.step import TrainConfig
-    from mixprec.training.step_state import StepLedger
-
-__all__ = ["ReplicatedStep", "local_shard", "without_ddp_prefix"]
+__all__ = ["Agreement", "local_shard", "without_ddp_prefix"]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -55,52 +56,51 @@ def without_ddp_prefix(network: nn.Module, state_dict: Mapping[str, Any]) -> Map
     return {renamed.get(k, k): v for k, v in state_dict.items()}
 
 
-class ReplicatedStep(Joinable):
-    """What a training step does with other ranks (every method a no-op in one process)."""
+class Agreement(Joinable):
+    """What a training step does with other ranks (every method a no-op in one process).
 
-    network: nn.Module
-    optimizer: torch.optim.Optimizer
-    config: TrainConfig
-    replicas: Replicas
-    loss_scale_manager: LossScaleManager | None
-    optimizer_steps: int
-    LIMIT_CHECK_INTERVAL: ClassVar[int]
-    _micro_step: int
-    _ledger: StepLedger
-    _disagree: torch.Tensor
-    _agreed_steps: int
+    Args:
+        replicas: the ranks the step agrees with (:class:`~mixprec.distributed.Replicas`).
+        device: where the step's parameters live (the device of the join all-reduce).
+        shadow: what a rank that has run out of inputs does in place of each of the others'
+            micro-batches (the step's bookkeeping; it calls :meth:`agree` on the last one).
+    """
 
-    def __init__(self) -> None:
-        Joinable.__init__(self)
+    def __init__(
+        self,
+        replicas: Replicas,
+        device: Callable[[], torch.device],
+        shadow: Callable[[], None],
+    ) -> None:
+        super().__init__()
+        self.replicas = replicas
+        self._device = device
+        self._shadow = shadow
+        self._disagree = torch.zeros(())  # sticky: 1.0 once the ranks' scale states differed
+        self._agreed_steps = 0  # optimizer steps since the build (never checkpointed)
 
-    if TYPE_CHECKING:
+    @property
+    def active(self) -> bool:
+        """Whether there are other ranks to agree with."""
+        return self.replicas.active
 
-        @property
-        def _warming_up(self) -> bool: ...
-
-        def _abandon(self) -> None: ...
-
-        def _update_scale(
-            self, manager: Any, state: Any, found: torch.Tensor, chosen: torch.Tensor | None
-        ) -> None: ...
-
-    def _run_network(self, *args: Any, **kwargs: Any) -> Any:
+    def run(self, network: nn.Module, *args: Any, **kwargs: Any) -> Any:
         """The forward, through the user's DDP wrapper when there is one: its ``module`` is
-        the converted network for the call only, and is the user's again afterwards."""
+        ``network`` for the call only, and is the user's again afterwards."""
         ddp = self.replicas.ddp
         if ddp is None:
-            return self.network(*args, **kwargs)
+            return network(*args, **kwargs)
         own = ddp.module
-        if own is self.network:
+        if own is network:
             return ddp(*args, **kwargs)
-        ddp.module = self.network
+        ddp.module = network
         try:
             return ddp(*args, **kwargs)
         finally:
             ddp.module = own
 
     @contextlib.contextmanager
-    def _communication(self, last: bool) -> Iterator[None]:
+    def communication(self, last: bool) -> Iterator[None]:
         """Gradients are reduced on the last micro-batch of an optimizer step only."""
         work = Join.notify_join_context(self)
         if work is not None:
@@ -121,7 +121,8 @@ class ReplicatedStep(Joinable):
         else:
             yield
 
-    def _check_join(self) -> None:
+    def check_join(self) -> None:
+        """Refuse a step run inside ``ddp.join()`` alone (its agreement would hang)."""
         ddp = self.replicas.ddp
         if (
             ddp is not None
@@ -136,16 +137,8 @@ class ReplicatedStep(Joinable):
             )
 
     def join(self, *, enable: bool = True, throw_on_early_termination: bool = False) -> Join:
-        """A ``torch.distributed`` ``Join`` context for uneven inputs across ranks.
-
-        Under DDP it joins the wrapper and the step (``Join([ddp, step])``); use it where
-        you would use ``ddp.join()``.
-
-        Example:
-            >>> with step.join():
-            ...     for x, y in loader:          # ranks may hold different numbers of batches
-            ...         step(x, y)
-        """
+        """A ``torch.distributed`` ``Join`` context for uneven inputs across ranks (under
+        DDP it joins the wrapper and the step: ``Join([ddp, agreement])``)."""
         if self.replicas.fsdp is not None:
             raise RuntimeError("FSDP2 has no join(): give every rank the same number of batches")
         joinables: list[Joinable] = [self]
@@ -154,45 +147,24 @@ class ReplicatedStep(Joinable):
         return Join(joinables, enable=enable, throw_on_early_termination=throw_on_early_termination)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        return _join.join_hook(self, **kwargs)
+        del kwargs  # DDP's options; the step's hook has none
+        return StepJoinHook(self._shadow)
 
     @property
     def join_device(self) -> torch.device:
-        return next(
-            (p.device for g in self.optimizer.param_groups for p in g["params"]),
-            torch.device("cpu"),
-        )
+        return self._device()
 
     @property
     def join_process_group(self) -> Any:
         ddp = self.replicas.ddp
         return ddp.process_group if ddp is not None else self.replicas.group
 
-    def _shadow_micro_batch(self) -> None:
-        """A joined rank's share of the others' micro-batch (see :mod:`mixprec.distributed.join`)."""
-        self._micro_step += 1
-        if self._micro_step < self.config.accumulation_steps:
-            return
-        self._abandon()
-        manager = self.loss_scale_manager
-        state = None if manager is None else manager.device_state()
-        check = manager is None or manager.get_drop_overflow_update()
-        nothing = torch.zeros((), device=self.join_device)
-        warm = self._warming_up and state is not None and state.dynamic
-        chosen = torch.full_like(nothing, math.inf) if warm else None
-        try:
-            found, chosen = self._agree(nothing, chosen, state, check)
-            if check:
-                self._ledger.update(found)
-            self._update_scale(manager, state, found, chosen)
-        finally:
-            self.optimizer_steps += 1
-
-    def _agree(
+    def agree(
         self, found: torch.Tensor, chosen: torch.Tensor | None, state: Any, check: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The one all-reduce of an optimizer step; ranks whose loss-scale states differ
-        all skip, and raise at the next host read."""
+        """The one all-reduce of an optimizer step: the agreed overflow flag (zero when
+        ``check`` is False) and first scale; ranks whose loss-scale states (``state``, a
+        :class:`~mixprec.training.scale_state.ScaleState` or None) differ all skip."""
         if not self.replicas.active:
             return (found if check else torch.zeros_like(found)), chosen
         found, chosen, disagree = self.replicas.agree_step(found, chosen, state)
@@ -200,15 +172,15 @@ class ReplicatedStep(Joinable):
         self._agreed_steps += 1
         return (torch.maximum(found, disagree) if check else torch.zeros_like(found)), chosen
 
-    def _check_agreement(self, host_read: bool) -> None:
+    def check(self, state: Any, *, host_read: bool, interval: int) -> None:
+        """Raise once the ranks' loss-scale states have differed: at a step that reads the
+        host anyway (``host_read``), otherwise every ``interval``-th agreed step."""
         if not self.replicas.active:
             return
-        if not host_read and self._agreed_steps % self.LIMIT_CHECK_INTERVAL:
+        if not host_read and self._agreed_steps % interval:
             return
         if not self._disagree.item():
             return
-        manager = self.loss_scale_manager
-        state = None if manager is None else manager.device_state()
         facts = (
             {}
             if state is None

@@ -1,8 +1,10 @@
-"""Gradient checks: is anything non-finite, and unscaling, on the device.
+"""Gradient checks: is anything non-finite, unscaling and the gradient norm, on the device.
 
-:func:`all_finite`, :func:`found_non_finite` and :func:`unscale_grads_` never synchronize
+:func:`unscale_` (public as ``mixprec.unscale_``), :func:`all_finite`,
+:func:`found_non_finite`, :func:`unscale_grads_` and :func:`total_norm` never synchronize
 with the host (fused foreach kernels per device and dtype). Complex tensors are checked
-and unscaled through their real view (an inf in either part counts).
+and unscaled through their real view (an inf in either part counts); sparse ones through
+their values.
 """
 
 from __future__ import annotations
@@ -13,7 +15,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["all_finite", "found_non_finite", "inverse_scale", "to_device", "unscale_grads_"]
+__all__ = [
+    "all_finite",
+    "found_non_finite",
+    "inverse_scale",
+    "mark_unscaled",
+    "to_device",
+    "total_norm",
+    "unscale_",
+    "unscale_grads_",
+]
+
+#: the attribute a gradient unscaled by :func:`unscale_` carries: (its version after the
+#: unscale, the found_inf of that call)
+_UNSCALED = "_mixprec_unscaled"
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -114,11 +129,140 @@ def unscale_grads_(grads: Sequence[torch.Tensor | None], inv_scale: torch.Tensor
             if device not in found:
                 found[device] = torch.zeros((), dtype=torch.float32, device=device)
                 invs[device] = to_device(inv_scale, device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found[device], invs[device])
+            _check_and_unscale(group, found[device], invs[device])
     flags = [to_device(f, inv_scale.device) for f in found.values()]
     if not flags:
         return torch.zeros((), dtype=torch.float32, device=inv_scale.device)
     return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+
+
+def _check_and_unscale(
+    group: list[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """GradScaler's fused kernel where torch has it, else foreach ops with its semantics."""
+    fused = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+    if fused is not None:
+        fused(group, found, inv_scale)
+        return
+    norms = torch._foreach_norm(group, ord=math.inf)  # pragma: no cover - older torch
+    found.copy_(torch.maximum(found, (~torch.stack(norms).isfinite().all()).float()))
+    torch._foreach_mul_(group, inv_scale)
+
+
+def _gradients(optimizer_or_params: object) -> list[torch.Tensor]:
+    if isinstance(optimizer_or_params, torch.optim.Optimizer):
+        params: Iterable[Any] = (
+            p for group in optimizer_or_params.param_groups for p in group["params"]
+        )
+    elif isinstance(optimizer_or_params, torch.Tensor):
+        params = [optimizer_or_params]
+    elif isinstance(optimizer_or_params, Iterable) and not isinstance(
+        optimizer_or_params, (str, bytes, Mapping)
+    ):
+        params = optimizer_or_params
+    else:
+        raise TypeError(
+            "optimizer_or_params must be a torch.optim.Optimizer, a tensor or an iterable of "
+            f"tensors whose .grad to unscale; got {optimizer_or_params!r}"
+        )
+    grads = []
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"optimizer_or_params must hold tensors (Parameters); got {p!r} at item {i}"
+            )
+        if p.grad is not None:
+            grads.append(p.grad)
+    return grads
+
+
+def _version(grad: torch.Tensor) -> int:
+    return (grad._values() if grad.is_sparse else grad)._version
+
+
+def unscale_(optimizer_or_params: object, scale: float | torch.Tensor) -> torch.Tensor:
+    """Divide the gradients by ``scale`` in place; returns whether any was inf/NaN.
+
+    The tool of ``torch.amp.GradScaler.unscale_``, without a scaler: ``optimizer_or_params``
+    is an optimizer (every ``p.grad`` of its param groups) or Parameters; ``scale`` a
+    positive float or a one-element tensor (the loss scale the backward ran with). The
+    reciprocal is taken in float64, as GradScaler does, and each (device, dtype) group of
+    gradients goes through one fused check-and-unscale kernel. No host sync.
+
+    Idempotent within a step: a gradient this call already unscaled, and that nothing has
+    written since (a backward accumulating into it does), is left alone and reports the
+    flag it had; a new gradient (after ``zero_grad``) is unscaled again.
+
+    Returns:
+        ``found_inf``: a 0-dim bool tensor on the first gradient's device (CPU when there
+        are none), True if any gradient held an inf or a NaN.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> (w.sum() * 1024.0).backward()
+        >>> mixprec.unscale_([w], 1024.0), w.grad
+        (tensor(False), tensor([1., 1.]))
+    """
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or not scale.is_floating_point():
+            raise TypeError(
+                f"scale must be a float or a one-element floating tensor; got {scale!r}"
+            )
+        scale_t = scale.detach().reshape(())
+    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a finite number > 0; got {scale!r}")
+        scale_t = torch.tensor(float(scale), dtype=torch.float64)
+    else:
+        raise TypeError(f"scale must be a float or a one-element floating tensor; got {scale!r}")
+    grads = _gradients(optimizer_or_params)
+    device = grads[0].device if grads else scale_t.device
+    fresh = []
+    flags = []
+    for g in grads:
+        seen = getattr(g, _UNSCALED, None)
+        if seen is not None and seen[0] == _version(g):
+            flags.append(seen[1])
+        else:
+            fresh.append(g)
+    if fresh:
+        found = unscale_grads_(fresh, inverse_scale(to_device(scale_t, device))).bool()
+        mark_unscaled(fresh, found)
+        flags.append(found)
+    if not flags:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    if len(flags) == 1:
+        return flags[0]
+    return torch.stack([to_device(f, device) for f in flags]).any()
+
+
+def mark_unscaled(grads: Sequence[torch.Tensor | None], found: torch.Tensor) -> None:
+    """Record that ``grads`` were unscaled (with overflow flag ``found``), so that a later
+    :func:`unscale_` in the same step leaves them alone."""
+    flag = found.bool()
+    for g in grads:
+        if g is not None:
+            setattr(g, _UNSCALED, (_version(g), flag))
+
+
+def total_norm(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """The L2 norm of all the tensors together, as a 0-dim float32 tensor (no host sync).
+
+    Sparse tensors count by their values, complex ones by their real view; ``None`` and
+    non-floating tensors are skipped; an empty input has norm 0.
+
+    Example:
+        >>> total_norm([torch.tensor([3.0]), torch.tensor([4.0])])
+        tensor(5.)
+    """
+    parts: list[torch.Tensor] = []
+    with torch.no_grad():
+        for group in _group(tensors, "tensors").values():
+            parts.extend(torch._foreach_norm(group))
+    if not parts:
+        return torch.zeros(())
+    device = parts[0].device
+    return torch.linalg.vector_norm(torch.stack([to_device(n.float(), device) for n in parts]))
 
 
 def found_non_finite(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:

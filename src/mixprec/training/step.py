@@ -21,7 +21,8 @@ to drop); refresh of the low-precision weights; the loss-scale update on the dev
 Under ``torch.distributed`` (:mod:`mixprec.distributed`): the step calls the user's DDP
 wrapper (left as it was) with the converted network in place for the call, reduces
 gradients on the last micro-batch only (``no_sync`` before it), agrees with its process
-group in one all-reduce per optimizer step, and is a ``Joinable`` (``step.join()``).
+group in one all-reduce per optimizer step, and joins uneven inputs (``step.join()``): all
+through the replica agreement it holds (``step.agreement``, :mod:`mixprec.distributed.step`).
 
 Host syncs: at most one per optimizer step (reading the overflow flag before the optimizer
 step). With an optimizer that takes ``found_inf`` itself (``fused=True`` Adam, AdamW, SGD)
@@ -32,7 +33,8 @@ there is none: the optimizer skips on the device, and ``overflow``, ``loss_scale
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -42,10 +44,10 @@ from mixprec._warn import warn
 from mixprec.boost.group_scale import GroupLossScaleManager
 from mixprec.boost.plan import BoostPlan
 from mixprec.distributed.replicas import Replicas
-from mixprec.distributed.step import ReplicatedStep, local_shard, without_ddp_prefix
+from mixprec.distributed.step import Agreement, local_shard, without_ddp_prefix
 from mixprec.policy.levels import Level
 from mixprec.policy.ops import cast_tree
-from mixprec.training.grads import inverse_scale, unscale_grads_
+from mixprec.training.grads import inverse_scale, mark_unscaled, total_norm, unscale_grads_
 from mixprec.training.master import MasterWeights
 from mixprec.training.scale_state import FLOAT32_MAX
 from mixprec.training.scaling import LossScaleManager, overflow_limit_message
@@ -56,7 +58,7 @@ from mixprec.training.step_state import (
     choose_initial_scale,
 )
 
-__all__ = ["StepHooks", "TrainConfig", "TrainStep"]
+__all__ = ["StepHooks", "StepMetrics", "TrainConfig", "TrainStep"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +133,48 @@ def _loss_of(output: Any) -> torch.Tensor:
     )
 
 
+class StepMetrics(Mapping[str, Any]):
+    """A step's figures for logging, each read from the device only when looked up.
+
+    Keys: ``loss_scale`` (the scale the next step uses), ``skipped_steps``,
+    ``consecutive_overflows``, ``grad_norm`` (see :attr:`TrainStep.grad_norm`) and
+    ``overflow_module`` (with ``debug_overflow=True``, the module the last skipped step's
+    first non-finite value came from; None when not known).
+
+    Example:
+        >>> logger.log({k: v for k, v in step.metrics().items()})   # reads all: one wait
+    """
+
+    KEYS: ClassVar[tuple[str, ...]] = (
+        "loss_scale",
+        "skipped_steps",
+        "consecutive_overflows",
+        "grad_norm",
+        "overflow_module",
+    )
+
+    def __init__(self, step: TrainStep) -> None:
+        self._step = step
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.KEYS:
+            raise KeyError(f"{key!r} is not a step metric; the metrics are {list(self.KEYS)}")
+        if key == "overflow_module":
+            report = self._step.last_overflow_report
+            culprit = None if report is None else (report.forward or report.backward)
+            return None if culprit is None else culprit.module
+        return getattr(self._step, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.KEYS)
+
+    def __len__(self) -> int:
+        return len(self.KEYS)
+
+    def __repr__(self) -> str:
+        return f"StepMetrics({', '.join(self.KEYS)}; read on access)"
+
+
 def _fused_skip_ready(optimizer: torch.optim.Optimizer) -> bool:
     """Can the optimizer skip a step on the device from ``found_inf``?
 
@@ -149,7 +193,7 @@ def _fused_skip_ready(optimizer: torch.optim.Optimizer) -> bool:
     return True
 
 
-class TrainStep(nn.Module, ReplicatedStep):
+class TrainStep(nn.Module):
     """One training step per call (see :func:`build_train_network`).
 
     Attributes:
@@ -159,6 +203,7 @@ class TrainStep(nn.Module, ReplicatedStep):
         skipped_steps: how many optimizer steps were skipped so far.
         loss_scale: the loss scale the next step uses (1.0 without a manager).
         found_inf: the last step's overflow flag as a 0-dim float32 tensor (no sync).
+        grad_norm: the unscaled gradient norm of the last applied step (before clipping).
         last_overflow_report: with ``debug_overflow=True``, the
             :class:`~mixprec.diagnose.OverflowReport` of the last skipped step (the first
             non-finite module forward and backward, and a fix); None before a skip.
@@ -188,9 +233,11 @@ class TrainStep(nn.Module, ReplicatedStep):
         debug_overflow: bool = False,
     ) -> None:
         super().__init__()
-        ReplicatedStep.__init__(self)
         self.network = network
-        self.replicas = replicas or Replicas()
+        #: the replica agreement (DDP/FSDP2 forward, no_sync, the one all-reduce, join)
+        self.agreement = Agreement(
+            replicas or Replicas(), self._join_device, self._shadow_micro_batch
+        )
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.config = config
@@ -199,11 +246,10 @@ class TrainStep(nn.Module, ReplicatedStep):
         self.hooks = hooks or StepHooks()
         self.optimizer_steps = 0
         self.found_inf = torch.zeros(())
+        self._grad_norm = torch.tensor(math.nan)  # the last applied step's, on the device
         self._micro_step = 0
         self._ledger = StepLedger()
         self._warned = False
-        self._disagree = torch.zeros(())  # sticky: 1.0 once the ranks' scale states differed
-        self._agreed_steps = 0  # optimizer steps since the build (never checkpointed)
         #: the boost level's decisions and seams (None at boost level O0)
         self.boost: BoostPlan | None = None
         self._debugger: Any = None
@@ -248,19 +294,35 @@ class TrainStep(nn.Module, ReplicatedStep):
         return float(state.scale) if state is not None else float(manager.get_loss_scale())
 
     @property
+    def grad_norm(self) -> float:
+        """The L2 norm of the unscaled gradients of the last applied optimizer step (before
+        clipping; NaN before the first). Kept on the device; reading it waits for it."""
+        return float(self._grad_norm)
+
+    def metrics(self) -> StepMetrics:
+        """What a training loop logs, as a read-only mapping read lazily: nothing waits for
+        the device until a value is read (see :class:`StepMetrics`)."""
+        return StepMetrics(self)
+
+    def _total_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        if self.agreement.replicas.fsdp is not None:  # DTensors: torch reduces the shards
+            return torch.nn.utils.get_total_norm(grads)
+        return total_norm(grads)
+
+    @property
     def _warming_up(self) -> bool:
         return self.config.auto_loss_scale and self.optimizer_steps == 0
 
     # ------------------------------------------------------------------ the step
     def forward(self, *inputs: Any, **kwargs: Any) -> torch.Tensor:
         """Run one micro-batch; returns its unscaled float32 loss (detached)."""
-        self._check_join()
+        self.agreement.check_join()
         last = self._micro_step + 1 == self.config.accumulation_steps
         try:
             if self.boost is not None:
                 network_args = inputs[:-1] if self.loss_fn is not None else inputs
                 self.boost.before_forward(self.network, network_args, self.optimizer_steps)
-            with self._communication(last):
+            with self.agreement.communication(last):
                 if self.loss_fn is not None:
                     if not inputs:
                         raise TypeError(
@@ -270,7 +332,7 @@ class TrainStep(nn.Module, ReplicatedStep):
                     *net_inputs, label = inputs
                     if self._debugger is not None:
                         self._batch = (tuple(net_inputs), kwargs, label)
-                    output = self._run_network(*net_inputs, **kwargs)
+                    output = self.agreement.run(self.network, *net_inputs, **kwargs)
                     loss = _as_loss(
                         self.loss_fn(
                             cast_tree(output, torch.float32), cast_tree(label, torch.float32)
@@ -280,7 +342,9 @@ class TrainStep(nn.Module, ReplicatedStep):
                 else:
                     if self._debugger is not None:
                         self._batch = (inputs, kwargs, None)
-                    loss = _as_loss(_loss_of(self._run_network(*inputs, **kwargs)), "the network")
+                    loss = _as_loss(
+                        _loss_of(self.agreement.run(self.network, *inputs, **kwargs)), "the network"
+                    )
                 scale = self._scale_tensor(loss.device)
                 steps = self.config.accumulation_steps
                 if scale is not None:
@@ -345,13 +409,16 @@ class TrainStep(nn.Module, ReplicatedStep):
             inverse = torch.ones((), device=device) if scale is None else inverse_scale(scale)
             chosen = None
             if isinstance(manager, GroupLossScaleManager):  # each group by its own scale
-                active = self.replicas.active
-                found = manager.unscale_(params, self.replicas.all_reduce_max if active else None)
+                replicas = self.agreement.replicas
+                found = manager.unscale_(
+                    params, replicas.all_reduce_max if replicas.active else None
+                )
             else:
                 found = unscale_grads_(local, inverse)
                 if self._warming_up and state is not None and state.dynamic:
                     chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
-            found, chosen = self._agree(found, chosen, state, check)
+            found, chosen = self.agreement.agree(found, chosen, state, check)
+            mark_unscaled(grads, found)
             self.found_inf = found
             if self.hooks.after_unscale is not None:
                 self.hooks.after_unscale(self, params)
@@ -362,14 +429,17 @@ class TrainStep(nn.Module, ReplicatedStep):
                 and self._debugger is None
                 and _fused_skip_ready(self.optimizer)
             )
-            self._check_agreement(host_read=not on_device)
+            self.agreement.check(state, host_read=not on_device, interval=self.LIMIT_CHECK_INTERVAL)
             applied: bool | None = True  # without a check, every step is applied
             if check:
                 self._ledger.update(found)
                 applied = None if on_device else not self._ledger.read_now()[0]  # the one sync
             if applied is not False:
+                norm = self._total_norm(grads)
                 if self.config.clip_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
+                    torch.nn.utils.clip_grads_with_norm_(params, self.config.clip_grad_norm, norm)
+                last = self._grad_norm.to(norm.device)
+                self._grad_norm = norm if applied else torch.where(found > 0, last, norm)
                 self._optimizer_step(found if on_device else None)
                 if self.masters is not None:
                     self.masters.refresh()
@@ -445,6 +515,53 @@ class TrainStep(nn.Module, ReplicatedStep):
         elif run < self.OVERFLOW_WARNING_AFTER:
             self._warned = False
 
+    # ------------------------------------------------------------------ other ranks
+    @property
+    def replicas(self) -> Replicas:
+        """The ranks this step agrees with (see :class:`~mixprec.distributed.Replicas`)."""
+        return self.agreement.replicas
+
+    def join(self, *, enable: bool = True, throw_on_early_termination: bool = False) -> Any:
+        """A ``torch.distributed`` ``Join`` context for uneven inputs across ranks.
+
+        Under DDP it joins the wrapper and the step (``Join([ddp, step.agreement])``); use
+        it where you would use ``ddp.join()``.
+
+        Example:
+            >>> with step.join():
+            ...     for x, y in loader:          # ranks may hold different numbers of batches
+            ...         step(x, y)
+        """
+        return self.agreement.join(
+            enable=enable, throw_on_early_termination=throw_on_early_termination
+        )
+
+    def _join_device(self) -> torch.device:
+        return next(
+            (p.device for g in self.optimizer.param_groups for p in g["params"]),
+            torch.device("cpu"),
+        )
+
+    def _shadow_micro_batch(self) -> None:
+        """A joined rank's share of the others' micro-batch (see :mod:`mixprec.distributed.join`)."""
+        self._micro_step += 1
+        if self._micro_step < self.config.accumulation_steps:
+            return
+        self._abandon()
+        manager = self.loss_scale_manager
+        state = None if manager is None else manager.device_state()
+        check = manager is None or manager.get_drop_overflow_update()
+        nothing = torch.zeros((), device=self._join_device())
+        warm = self._warming_up and state is not None and state.dynamic
+        chosen = torch.full_like(nothing, math.inf) if warm else None
+        try:
+            found, chosen = self.agreement.agree(nothing, chosen, state, check)
+            if check:
+                self._ledger.update(found)
+            self._update_scale(manager, state, found, chosen)
+        finally:
+            self.optimizer_steps += 1
+
     # ------------------------------------------------------------------ checkpoints
     def get_extra_state(self) -> dict[str, Any]:
         if self._micro_step:
@@ -481,7 +598,9 @@ class TrainStep(nn.Module, ReplicatedStep):
         master weights) before anything is written. Checkpoints of mixprec 0.1.0 load, and so
         do those of a step that held the DDP wrapper itself (``network.module.*`` keys)."""
         state_dict = without_ddp_prefix(self.network, state_dict)
-        check_checkpoint(self, state_dict, strict)
+        check_checkpoint(
+            dict(self.named_children()), state_dict, strict, self.loss_scale_manager, self.masters
+        )
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if self.masters is not None:
             self.masters.refresh()  # the masters are the checkpoint's truth

@@ -11,15 +11,13 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 
 from mixprec.training.master import MasterWeights
 from mixprec.training.scaling import LossScaleManager
-
-if TYPE_CHECKING:
-    from mixprec.training.step import TrainStep
 
 __all__ = ["StepLedger", "check_checkpoint", "check_extra_state", "choose_initial_scale"]
 
@@ -148,12 +146,19 @@ def check_extra_state(
     }
 
 
-def check_checkpoint(step: TrainStep, state_dict: Mapping[str, Any], strict: bool) -> None:
-    """Check a whole step checkpoint (keys, shapes, extra state) before anything is written."""
+def check_checkpoint(
+    children: Mapping[str, nn.Module],
+    state_dict: Mapping[str, Any],
+    strict: bool,
+    manager: LossScaleManager | None,
+    masters: MasterWeights | None,
+) -> None:
+    """Check a whole step checkpoint (keys, shapes, extra state) before anything is written:
+    ``children`` are the step's named submodules, ``manager`` and ``masters`` its parts."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a dict; got {type(state_dict).__name__}")
     expected: dict[str, Any] = {}
-    for name, child in step.named_children():
+    for name, child in children.items():
         expected.update(child.state_dict(prefix=f"{name}.", keep_vars=True))
     extra = "_extra_state"
     missing = sorted(set(expected) - set(state_dict) | ({extra} - set(state_dict)))
@@ -175,4 +180,4 @@ def check_checkpoint(step: TrainStep, state_dict: Mapping[str, Any], strict: boo
                 f"{tuple(own.shape)} (nothing was loaded)"
             )
     if extra in state_dict:
-        check_extra_state(state_dict[extra], step.loss_scale_manager, step.masters)
+        check_extra_state(state_dict[extra], manager, masters)
