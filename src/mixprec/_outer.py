@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from mixprec import unscale_
 from mixprec.convert.api import check_emulate, convert
 from mixprec.policy.dtypes import resolve_dtype
 from mixprec.policy.levels import Level, ModulePin, Pins, Recipe, resolve
@@ -41,21 +42,6 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
-
-
-def _unscale_(optimizer: torch.optim.Optimizer, scale: float) -> torch.Tensor:
-    grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    found = torch.zeros(())
-    for (device, _), tensors in grads.items():
-        flag = torch.zeros((), device=device)
-        inv = torch.full((), 1.0 / scale, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv)
-        found = found + flag.cpu()
-    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +181,7 @@ class LoopScaling:
         self.steps = 0
         self.skipped_steps = 0
         self.overflow = False
+        self.consecutive_overflows = 0
         self.overflow_module: str | None = None
         self.grad_norm: torch.Tensor | None = None
         self._found: dict[int, torch.Tensor] = {}
@@ -214,14 +201,14 @@ class LoopScaling:
         return loss if self.manager is None else loss * self.loss_scale
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """Unscale ``optimizer``'s gradients in place, once per step; returns the found-inf
-        flag (a 0-dim float tensor, nonzero when some gradient is inf/NaN)."""
+        """Unscale ``optimizer``'s gradients in place (:func:`mixprec.unscale_`), once per
+        step; returns the found-inf flag (a 0-dim bool tensor)."""
         key = id(optimizer)
         if key not in self._found:
             if self.manager is None:
-                self._found[key] = torch.zeros(())
+                self._found[key] = torch.tensor(False)
             else:
-                self._found[key] = _unscale_(optimizer, self.loss_scale)
+                self._found[key] = unscale_(optimizer, self.loss_scale)
         return self._found[key]
 
     def step(
@@ -242,9 +229,10 @@ class LoopScaling:
             return do_step()
         found = self.unscale_(optimizer)
         drop = self.manager.get_drop_overflow_update()
-        overflow = bool(found.item() > 0) if drop else False
+        overflow = bool(found) if drop else False
         self.overflow = overflow
         result: _T | None = None
+        self.consecutive_overflows = self.consecutive_overflows + 1 if overflow else 0
         if overflow:
             self.skipped_steps += 1
             self.overflow_module = _first_non_finite(optimizer, model)
@@ -256,12 +244,14 @@ class LoopScaling:
         return result
 
     def metrics(self) -> dict[str, float]:
-        """What the plugins log: the loss scale, skipped steps, last step's overflow and,
-        where the plugin clipped, the unscaled gradient norm."""
+        """What the plugins log (the names of :meth:`mixprec.TrainStep.metrics`): the loss
+        scale, skipped steps, the last step's overflow, consecutive overflows and, where
+        the plugin clipped, the unscaled gradient norm."""
         out = {
             "loss_scale": self.loss_scale,
             "skipped_steps": float(self.skipped_steps),
             "overflow": float(self.overflow),
+            "consecutive_overflows": float(self.consecutive_overflows),
         }
         if self.grad_norm is not None:
             out["grad_norm"] = float(self.grad_norm)
