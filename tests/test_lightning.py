@@ -190,6 +190,48 @@ def test_bad_arguments() -> None:
         MixedPrecision("O2", log_metrics="yes")
 
 
+def _ddp_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    import os
+    import warnings
+
+    warnings.simplefilter("ignore")
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    manager = mixprec.DynamicLossScaleManager(2.0**10, scale_window=100)
+    plugin = MixedPrecision("O2", "fp16", loss_scale_manager=manager, emulate=True)
+    model = Tiny(overflow_at=((0, 1),) if rank == 1 else ())  # one rank overflows
+    t = lightning.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp",
+        plugins=[plugin],
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    t.fit(model, data())
+    return {
+        "weights": weights(model),
+        "skipped": plugin.skipped_steps,
+        "global_step": t.global_step,
+        "lr": t.lr_scheduler_configs[0].scheduler.get_last_lr(),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ddp_every_rank_skips_the_step_one_rank_overflowed(tmp_path: Path) -> None:
+    from spawn import run
+
+    first, second = run(_ddp_rank, tmp_path, str(tmp_path), bound=120.0)
+    assert first["skipped"] == second["skipped"] == 1
+    assert first["global_step"] == second["global_step"] == BATCHES // 2 - 1
+    assert first["lr"] == second["lr"] == [LR * 0.5 ** (BATCHES // 2 - 1)]
+    assert all(torch.equal(first["weights"][k], second["weights"][k]) for k in first["weights"])
+
+
 def test_fabric_scales_unscales_once_and_skips(tmp_path: Path) -> None:
     manager = mixprec.DynamicLossScaleManager(2.0**10, scale_window=100)
     plugin = FabricMixedPrecision("O2", "fp16", loss_scale_manager=manager, emulate=True)
