@@ -156,6 +156,28 @@ def test_bf16_callback_with_a_plain_trainer(
     )
 
 
+def test_the_trainers_own_mixed_precision_is_refused(tmp_path: Path) -> None:
+    callback = MixprecCallback("O2", "bf16", emulate=True)
+    with pytest.raises(
+        ValueError, match=r"bf16=True\) runs the model under an outer torch.autocast"
+    ):
+        transformers.Trainer(tiny_gpt2(), arguments(tmp_path, bf16=True), callbacks=[callback])
+
+
+def test_declared_modules_of_the_root_reach_its_children() -> None:
+    class Stack(torch.nn.Module):
+        _keep_in_fp32_modules_strict = ("blocks.1",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+
+    stack = Stack()
+    MixprecCallback("O2", "bf16", emulate=True).convert(stack)
+    assert path_dtype(stack.blocks, "0") == "bfloat16"
+    assert path_dtype(stack.blocks, "1") == "float32"
+
+
 def test_loss_scaling_needs_the_trainer_subclass(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="MixprecTrainer"):
         transformers.Trainer(tiny_gpt2(), arguments(tmp_path), callbacks=[fp16()])

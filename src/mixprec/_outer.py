@@ -28,6 +28,7 @@ from torch import nn
 
 from mixprec import unscale_
 from mixprec.convert.api import check_emulate, convert
+from mixprec.convert.declared import with_declared_pins
 from mixprec.policy.dtypes import resolve_dtype
 from mixprec.policy.levels import Level, ModulePin, Pins, Recipe, resolve
 from mixprec.training.build import DEFAULT
@@ -126,11 +127,14 @@ def convert_children_(module: nn.Module, settings: PrecisionSettings) -> nn.Modu
     strategies drop what a precision plugin returns, and its forward redirection needs
     the original object), so the wrapper stays and its children are replaced by their
     converted versions, which share their Parameters. Pins name modules from the
-    wrapper. Children without parameters (losses, metrics) are left as they are.
+    wrapper, and so do the modules the wrapper declares float32. Children without
+    parameters (losses, metrics) are left as they are.
     """
     recipe = settings.recipe(module)
     if recipe.level is Level.O0:
         return module
+    if settings.declared_fp32:  # what the wrapper itself declares reaches its children
+        recipe = with_declared_pins(module, recipe)
     for name, child in list(module.named_children()):
         if next(child.parameters(), None) is None:
             continue

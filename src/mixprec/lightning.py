@@ -200,7 +200,7 @@ class MixedPrecision(_Shared, Precision):
         if self.scaling.overflow:
             _uncount_step(model)
         self._log(model)
-        return closure_result if result is None and not self.scaling.overflow else result
+        return result
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip the unscaled gradients; the norm before clipping is logged."""
