@@ -177,6 +177,9 @@ def test_pins_name_modules_from_the_lightning_module(tmp_path: Path) -> None:
     rows = {row["path"]: row["dtype"] for row in mixprec.explain(model.body).to_dict()["rows"]}
     assert rows["0"] == "float32"  # an fp32 island (its output is cast back down)
     assert rows["2"] == "bfloat16"
+    body = model.body
+    assert plugin.convert_module(model) is model  # a second setup (fit, then test) converts nothing
+    assert model.body is body
 
 
 def test_bad_arguments() -> None:

@@ -29,6 +29,7 @@ from torch import nn
 from mixprec import unscale_
 from mixprec.convert.api import check_emulate, convert
 from mixprec.convert.declared import with_declared_pins
+from mixprec.convert.structure import find_converted
 from mixprec.policy.dtypes import resolve_dtype
 from mixprec.policy.levels import Level, ModulePin, Pins, Recipe, resolve
 from mixprec.training.build import DEFAULT
@@ -36,6 +37,7 @@ from mixprec.training.scaling import DynamicLossScaleManager, LossScaleManager
 
 __all__ = [
     "LoopScaling",
+    "PluginCore",
     "PrecisionSettings",
     "SkipAwareScheduler",
     "convert_children_",
@@ -136,8 +138,8 @@ def convert_children_(module: nn.Module, settings: PrecisionSettings) -> nn.Modu
     if settings.declared_fp32:  # what the wrapper itself declares reaches its children
         recipe = with_declared_pins(module, recipe)
     for name, child in list(module.named_children()):
-        if next(child.parameters(), None) is None:
-            continue
+        if next(child.parameters(), None) is None or next(find_converted(child), None) is not None:
+            continue  # nothing to convert, or converted by an earlier setup
         own = dataclasses.replace(
             recipe,
             fp32_pin=None if recipe.fp32_pin is None else _Below(recipe.fp32_pin, name),
@@ -324,3 +326,38 @@ def wrap_schedulers(schedulers: Iterable[Any], scaling: LoopScaling) -> list[Ski
         s if isinstance(s, SkipAwareScheduler) else SkipAwareScheduler(s, scaling)
         for s in schedulers
     ]
+
+
+class PluginCore:
+    """What every framework plugin holds: the validated settings and the loss scaling.
+
+    Args: as :class:`mixprec.lightning.MixedPrecision` (``loss_scale_manager=DEFAULT`` is
+    the dtype's default, decided when the model is converted if ``dtype`` is None).
+    """
+
+    def __init__(
+        self,
+        level: str | Level,
+        dtype: torch.dtype | str | None,
+        fp32_modules: Pins,
+        low_modules: Pins,
+        loss_scale_manager: LossScaleManager | object | None,
+        emulate: bool,
+        declared_fp32: bool,
+    ) -> None:
+        self.settings = PrecisionSettings.parse(
+            level, dtype, fp32_modules, low_modules, emulate, declared_fp32
+        )
+        self.manager_arg = loss_scale_manager
+        low = None if self.settings.level is Level.O0 else self.settings.dtype
+        self.scaling = LoopScaling(default_manager(loss_scale_manager, low))
+        self.converted = False
+
+    def convert_children_(self, module: nn.Module) -> nn.Module:
+        """Convert ``module``'s children in place (again: only what is new); returns it."""
+        if not self.converted and self.manager_arg is DEFAULT and self.settings.dtype is None:
+            # the dtype comes from the device: so does the default manager
+            low = self.settings.low_dtype(module)
+            self.scaling = LoopScaling(default_manager(DEFAULT, low))
+        self.converted = True
+        return convert_children_(module, self.settings)

@@ -33,13 +33,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
-from mixprec._outer import (
-    LoopScaling,
-    PrecisionSettings,
-    SkipAwareScheduler,
-    convert_children_,
-    default_manager,
-)
+from mixprec._outer import LoopScaling, PluginCore, SkipAwareScheduler
 from mixprec._warn import warn
 from mixprec.convert.structure import find_converted
 from mixprec.policy.levels import Level, Pins
@@ -80,23 +74,20 @@ class MixprecCallback(TrainerCallback):
         emulate: bool = False,
         declared_fp32: bool = True,
     ) -> None:
-        self.settings = PrecisionSettings.parse(
-            level, dtype, fp32_modules, low_modules, emulate, declared_fp32
+        self.core = PluginCore(
+            level, dtype, fp32_modules, low_modules, loss_scale_manager, emulate, declared_fp32
         )
-        self._manager_arg = loss_scale_manager
-        if loss_scale_manager is not DEFAULT:
-            default_manager(loss_scale_manager, None)
-        self.scaling = LoopScaling(None)
         self.scaled_by_trainer = False
         self.resume_dir: str | None = None
 
+    @property
+    def scaling(self) -> LoopScaling:
+        """The loss scaling (used by :class:`MixprecTrainer`)."""
+        return self.core.scaling
+
     def convert(self, model: nn.Module) -> nn.Module:
-        """Convert ``model``'s children in place (once); returns ``model``."""
-        if next(iter(find_converted(model)), None) is None:
-            low = self.settings.low_dtype(model)
-            self.scaling = LoopScaling(default_manager(self._manager_arg, low))
-            convert_children_(model, self.settings)
-        return model
+        """Convert ``model``'s children in place; returns ``model``."""
+        return self.core.convert_children_(model)
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model = kwargs.get("model")

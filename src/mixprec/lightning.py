@@ -34,13 +34,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
-from mixprec._outer import (
-    LoopScaling,
-    PrecisionSettings,
-    SkipAwareScheduler,
-    convert_children_,
-    default_manager,
-)
+from mixprec._outer import LoopScaling, PluginCore, PrecisionSettings, SkipAwareScheduler
 from mixprec.policy.levels import Level, Pins
 from mixprec.training.build import DEFAULT
 from mixprec.training.scaling import LossScaleManager
@@ -49,36 +43,19 @@ __all__ = ["FabricMixedPrecision", "MixedPrecision", "SkipAwareScheduler"]
 
 
 class _Shared:
-    """The settings and loss scaling both plugins hold."""
+    """The settings and loss scaling both plugins hold (a :class:`PluginCore`)."""
 
-    settings: PrecisionSettings
-    scaling: LoopScaling
+    core: PluginCore
 
-    def _setup(
-        self,
-        level: str | Level,
-        dtype: torch.dtype | str | None,
-        fp32_modules: Pins,
-        low_modules: Pins,
-        loss_scale_manager: LossScaleManager | object | None,
-        emulate: bool,
-        declared_fp32: bool,
-    ) -> None:
-        self.settings = PrecisionSettings.parse(
-            level, dtype, fp32_modules, low_modules, emulate, declared_fp32
-        )
-        self._manager_arg = loss_scale_manager
-        if loss_scale_manager is not DEFAULT:
-            default_manager(loss_scale_manager, None)  # validate now
-        low = None if self.settings.level is Level.O0 else self.settings.dtype
-        self.scaling = LoopScaling(default_manager(loss_scale_manager, low))
+    @property
+    def scaling(self) -> LoopScaling:
+        """The loss scaling of this plugin's loop."""
+        return self.core.scaling
 
-    def _convert(self, module: nn.Module) -> nn.Module:
-        low = self.settings.low_dtype(module)
-        if self._manager_arg is DEFAULT and low is not None and self.settings.dtype is None:
-            # the dtype came from the device: the default manager follows it
-            self.scaling = LoopScaling(default_manager(DEFAULT, low))
-        return convert_children_(module, self.settings)
+    @property
+    def settings(self) -> PrecisionSettings:
+        """The level, dtype and pins the model is converted with."""
+        return self.core.settings
 
     @property
     def overflow_module(self) -> str | None:
@@ -146,7 +123,7 @@ class MixedPrecision(_Shared, Precision):
         declared_fp32: bool = True,
         log_metrics: bool = True,
     ) -> None:
-        self._setup(
+        self.core = PluginCore(
             level, dtype, fp32_modules, low_modules, loss_scale_manager, emulate, declared_fp32
         )
         if not isinstance(log_metrics, bool):
@@ -156,7 +133,7 @@ class MixedPrecision(_Shared, Precision):
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert the LightningModule's children in place; returns the module itself."""
-        return self._convert(module)
+        return self.core.convert_children_(module)
 
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
@@ -261,13 +238,13 @@ class FabricMixedPrecision(_Shared, FabricPrecision):
         emulate: bool = False,
         declared_fp32: bool = True,
     ) -> None:
-        self._setup(
+        self.core = PluginCore(
             level, dtype, fp32_modules, low_modules, loss_scale_manager, emulate, declared_fp32
         )
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert the module's children in place; returns the module itself."""
-        return self._convert(module)
+        return self.core.convert_children_(module)
 
     def backward(
         self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any
