@@ -33,6 +33,7 @@ not checked (a warning says so).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -51,7 +52,7 @@ from mixprec.training.scale_state import (
 )
 from mixprec.training.scaling import LossScaleManager
 
-__all__ = ["GroupLossScaleManager", "check_boundaries"]
+__all__ = ["GroupLossScaleManager", "check_boundaries", "check_names"]
 
 #: groups below the last run their rule on ``scale * OFFSET``: their floor is ``1 / OFFSET``
 OFFSET = 2.0**24
@@ -138,15 +139,10 @@ class GroupLossScaleManager(LossScaleManager):
         Raises:
             ValueError: a name that is not a submodule, a parameter in no group or in two.
         """
-        modules = dict(network.named_modules())
+        modules = check_names(network, self._groups)
         group_of: dict[int, int] = {}
         for index, group in enumerate(self._groups):
             for name in group:
-                if name not in modules:
-                    raise ValueError(
-                        f"loss_scale_groups names {name!r}, which is not a submodule of the "
-                        f"network; its modules include {list(modules)[1:9]}"
-                    )
                 for param in modules[name].parameters():
                     if group_of.setdefault(id(param), index) != index:
                         raise ValueError(
@@ -276,8 +272,8 @@ class GroupLossScaleManager(LossScaleManager):
             rows[name] = values
         for scale, good, bad, offset in zip(*rows.values(), self._offsets, strict=True):
             check_loss_scale(scale * offset, f"loss_scales (times {offset:g})")
-            check_counter_below(check_steps(int(good), "good_steps"), "good_steps", window)
-            check_steps(int(bad), "bad_steps")
+            check_counter_below(check_steps(_whole(good), "good_steps"), "good_steps", window)
+            check_steps(_whole(bad), "bad_steps")
         self._scale_factor, self._scale_window = factor, window
         for index, state_g in enumerate(self._states):
             state_g.scale.fill_(rows["loss_scales"][index] * self._offsets[index])
@@ -310,6 +306,31 @@ class _BoundaryHook:
         )
 
 
+def _whole(value: object) -> object:
+    """A counter read back from a tensor: a whole float as an int, anything else as it is
+    (so that ``check_steps`` refuses 2.5 instead of truncating it)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def check_names(network: nn.Module, groups: Sequence[Sequence[str]]) -> dict[str, nn.Module]:
+    """The network's modules by name, once every name in ``groups`` is one of them.
+
+    Raises:
+        ValueError: naming the misspelt name and the closest module names.
+    """
+    modules = dict(network.named_modules())
+    for group in groups:
+        for name in group:
+            if name not in modules:
+                close = difflib.get_close_matches(name, list(modules), n=3)
+                hint = f"did you mean {close}? " if close else ""
+                raise ValueError(
+                    f"loss_scale_groups names {name!r}, which is not a submodule of the "
+                    f"network; {hint}its modules include {list(modules)[1:9]}"
+                )
+    return modules
+
+
 def _check_groups(groups: object) -> list[list[str]]:
     shape = "a list of groups, each a non-empty list of module names"
     if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or not groups:
@@ -337,6 +358,7 @@ def check_boundaries(network: nn.Module, groups: Sequence[Sequence[str]]) -> Non
     """
     import torch.fx as fx
 
+    check_names(network, groups)
     entries = {name: index for index, group in enumerate(groups) for name in group}
 
     class _Tracer(fx.Tracer):
@@ -354,7 +376,17 @@ def check_boundaries(network: nn.Module, groups: Sequence[Sequence[str]]) -> Non
         return
     firsts = {group[0]: index for index, group in enumerate(groups)}
     group_of: dict[fx.Node, int] = {}
+    latest: tuple[int, str] | None = None  # the latest group entered, and by which module
     for node in graph.nodes:
+        if node.op == "call_module" and node.target in entries:
+            index = entries[str(node.target)]
+            if latest is not None and index < latest[0]:
+                raise ValueError(
+                    f"loss_scale_groups must be in forward order: {node.target!r} (group "
+                    f"{index}) runs after {latest[1]!r} (group {latest[0]}); list the groups "
+                    f"in the order the forward runs them"
+                )
+            latest = (index, str(node.target))
         sources = [u for u in node.all_input_nodes if group_of.get(u, -1) >= 0]
         if node.op == "call_module" and node.target in entries:
             own = entries[str(node.target)]

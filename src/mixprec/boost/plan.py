@@ -134,7 +134,12 @@ def _decide_optimizer(optimizer: torch.optim.Optimizer, config: BoostConfig) -> 
         return Decision(
             "optimizer", False, f"{type(optimizer).__name__} has no fused/foreach kernels"
         )
-    impls = ("default", "fused", "foreach") if config.optimizer == "auto" else (config.optimizer,)
+    fused = has_fused_kernel(optimizer)
+    if config.optimizer == "fused" and not fused:
+        warn(f"boost: {type(optimizer).__name__} has no fused kernel; left as it is")
+        return Decision("optimizer", False, "fused unavailable")
+    kernels = ("default", "fused", "foreach") if fused else ("default", "foreach")
+    impls = kernels if config.optimizer == "auto" else (config.optimizer,)
     times = time_optimizer_impls(optimizer, impls)
     if config.optimizer != "auto":
         choice, seconds = config.optimizer, times[config.optimizer]
@@ -145,7 +150,7 @@ def _decide_optimizer(optimizer: torch.optim.Optimizer, config: BoostConfig) -> 
             return Decision("optimizer", False, f"{choice} unavailable")
         why = f"boost_config optimizer={choice!r}"
     else:
-        measured = {k: v for k, v in times.items() if isinstance(v, float)}
+        measured = {k: v for k, v in times.items() if k in impls and isinstance(v, float)}
         base = measured.get("default")
         choice = min(measured, key=measured.__getitem__)
         if base is None or choice == "default" or base / measured[choice] < config.min_speedup:
@@ -159,6 +164,28 @@ def _decide_optimizer(optimizer: torch.optim.Optimizer, config: BoostConfig) -> 
     if choice == "fused":
         optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
     return Decision("optimizer", True, f"{choice}: {why}" if config.optimizer == "auto" else why)
+
+
+def has_fused_kernel(optimizer: torch.optim.Optimizer) -> bool:
+    """Does the optimizer's class have a fused kernel that skips from ``found_inf``?
+
+    Asked of torch itself: a fresh instance built with ``fused=True`` on one parameter
+    where the optimizer's live must mark itself ``_step_supports_amp_scaling`` (an
+    optimizer that takes and ignores ``fused``, or refuses it, has none).
+    """
+    if "fused" not in optimizer.defaults:
+        return False
+    device = next(
+        (p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu")
+    )
+    probe = nn.Parameter(torch.zeros(1, device=device))
+    options = {k: v for k, v in optimizer.defaults.items() if k == "lr"}
+    cls: Any = type(optimizer)
+    try:
+        built = cls([probe], **options, fused=True)
+    except Exception:  # any refusal means: no fused kernel here
+        return False
+    return bool(getattr(built, "_step_supports_amp_scaling", False))
 
 
 def _has_conv(network: nn.Module) -> bool:

@@ -101,6 +101,21 @@ def _check_float_parameters(network: nn.Module, level: Level, low: torch.dtype |
             )
 
 
+def _check_output_loss(output_loss: object, loss_fn: object) -> None:
+    if output_loss is None:
+        return
+    if isinstance(output_loss, bool) or not isinstance(output_loss, (int, str)):
+        raise TypeError(
+            f"output_loss must be an index (int), a key or attribute name (str), or None; got "
+            f"{output_loss!r}"
+        )
+    if loss_fn is not None:
+        raise ValueError(
+            f"output_loss={output_loss!r} picks the loss out of the network's output, but "
+            "loss_fn is given (it computes the loss from the whole output): pass one of them"
+        )
+
+
 def _check_optimizer(optimizer: torch.optim.Optimizer, network: nn.Module, loss_fn: object) -> None:
     trained = {id(p) for p in network.parameters()}
     if isinstance(loss_fn, nn.Module):
@@ -244,6 +259,7 @@ def build_train_network(
     process_group: Any = None,
     boost_config: Mapping[str, Any] | None = None,
     emulate: bool = False,
+    output_loss: int | str | None = None,
 ) -> TrainStep:
     """Build a mixed-precision training step.
 
@@ -279,6 +295,10 @@ def build_train_network(
         boost_config: options of the boost level (see :class:`mixprec.boost.BoostConfig`).
         emulate: run the low-precision GEMMs (forward and backward) as float32 kernels on
             rounded inputs with rounded results, as :func:`mixprec.auto_mixed_precision`.
+        output_loss: without ``loss_fn``, where the loss is in the network's output: an
+            index (``output[1]`` of ``(logits, loss)``) or a key or attribute name. Left
+            out: the output itself, ``output["loss"]``, ``output.loss``, or a scalar
+            ``output[0]``; any other output is refused with what it holds.
 
     Returns:
         A :class:`TrainStep`: ``loss = step(*inputs, label)`` (or ``step(*inputs, **kwargs)``
@@ -303,6 +323,12 @@ def build_train_network(
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}: {optimizer!r}"
         )
+    if isinstance(loss_fn, type):
+        raise TypeError(
+            f"loss_fn must be a loss function or a loss module instance; got the class "
+            f"{loss_fn.__qualname__} itself: pass {loss_fn.__qualname__}() (called once, with "
+            f"its options) instead"
+        )
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None; got {loss_fn!r}")
     boost = BoostLevel.parse(boost_level, "boost_level")
@@ -313,6 +339,7 @@ def build_train_network(
             f"loss_scale_manager must be a mixprec.LossScaleManager or None; got {manager!r}"
         )
     hooks = _check_hooks(optimizer, lr_scheduler, after_unscale, after_skip)
+    _check_output_loss(output_loss, loss_fn)
     if not isinstance(debug_overflow, bool):
         raise TypeError(f"debug_overflow must be a bool; got {debug_overflow!r}")
 
@@ -373,7 +400,7 @@ def build_train_network(
         converted,
         optimizer,
         loss_fn,
-        config,
+        dataclasses.replace(config, output_loss=output_loss),
         manager,
         masters,
         hooks,

@@ -117,6 +117,14 @@ class MasterWeights:
         if not self._accumulating:
             self._has_grad = [False] * len(self.masters)
         grads = {i: low.grad for i, low in enumerate(self.lows) if low.grad is not None}
+        for i in [i for i, g in grads.items() if g.is_sparse]:  # nn.Embedding(sparse=True)
+            sparse = grads.pop(i).float()
+            master_grad = self.masters[i].grad
+            self.masters[i].grad = (
+                sparse if not self._has_grad[i] or master_grad is None else master_grad + sparse
+            )
+            self._has_grad[i] = True
+            self.lows[i].grad = None
         add = [i for i in grads if self._has_grad[i]]
         copy = [i for i in grads if not self._has_grad[i]]
         if add:

@@ -399,12 +399,27 @@ class DynamicLossScaleManager(LossScaleManager):
 _CORE_UPDATES = (LossScaleManager.update_loss_scale, DynamicLossScaleManager.update_loss_scale)
 
 
-def overflow_limit_message(count: int, scale: float) -> str:
-    """The error after too many consecutive overflows: what to check, how to recover."""
+def overflow_limit_message(count: int, scale: float, *, fixed: bool = False) -> str:
+    """The error after too many consecutive overflows: what to check, how to recover.
+
+    With a ``fixed`` scale above 1 the scale itself may be the cause, and the message says so.
+    """
+    recover = (
+        "To recover, fix the cause and call the step again: a clean step resets the count "
+        "(or load the last good checkpoint)."
+    )
+    if fixed and scale > 1:
+        return (
+            f"the gradients overflowed (inf/NaN) on {count} consecutive steps at the fixed loss "
+            f"scale {scale:g}: the scale is the likely cause (the scaled gradients exceed the "
+            f"low-precision range, and a FixedLossScaleManager never lowers it). Use a smaller "
+            f"FixedLossScaleManager scale, or DynamicLossScaleManager, which backs off by "
+            f"itself; if it still overflows at scale 1, check the data and the model for "
+            f"inf/NaN. {recover}"
+        )
     return (
         f"the gradients overflowed (inf/NaN) on {count} consecutive steps although the loss "
         f"scale is {scale:g}, so the scale is not the cause. Check the data and the model for "
         f"inf/NaN (e.g. log(0), a division by zero), lower the learning rate, or train in "
-        f"bfloat16, which has float32's range. To recover, fix the cause and call the step "
-        f"again: a clean step resets the count (or load the last good checkpoint)."
+        f"bfloat16, which has float32's range. {recover}"
     )

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from mixprec._warn import warn
 from mixprec.boost.group_scale import GroupLossScaleManager
@@ -75,6 +76,8 @@ class TrainConfig:
     reason: str = ""
     #: the first optimizer step runs at scale 1 and picks the scale from its gradients
     auto_loss_scale: bool = False
+    #: without loss_fn: the index, key or attribute of the loss in the network's output
+    output_loss: int | str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,20 +120,55 @@ def _as_loss(value: Any, source: str) -> torch.Tensor:
     return value.float()
 
 
-def _loss_of(output: Any) -> torch.Tensor:
-    """The loss a network returned: a tensor, ``output["loss"]``, ``output.loss`` or ``output[0]``."""
+def _describe(output: Any) -> str:
+    if isinstance(output, torch.Tensor):
+        return f"a {str(output.dtype).removeprefix('torch.')} tensor of shape {tuple(output.shape)}"
+    if isinstance(output, Mapping):
+        return f"a {type(output).__name__} with keys {list(output)[:8]}"
+    if isinstance(output, (tuple, list)):
+        return f"a {type(output).__name__} of ({', '.join(_describe(v) for v in output[:8])})"
+    return type(output).__name__
+
+
+def _loss_of(output: Any, pick: int | str | None = None) -> Any:
+    """The loss a network returned: ``output[pick]`` (or ``output.pick``) when ``pick`` is
+    given, else the output itself, ``output["loss"]``, ``output.loss`` or a scalar
+    ``output[0]``."""
+    if pick is not None:
+        try:
+            if isinstance(pick, str) and not isinstance(output, Mapping):
+                return getattr(output, pick)
+            return output[pick]
+        except (KeyError, IndexError, AttributeError, TypeError) as error:
+            raise ValueError(
+                f"output_loss={pick!r}: the network returned {_describe(output)}, which has "
+                f"no entry {pick!r}"
+            ) from error
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, Mapping) and "loss" in output:
         return output["loss"]
     if getattr(output, "loss", None) is not None:
         return output.loss
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
+    if isinstance(output, (tuple, list)) and output:
+        first = output[0]
+        if isinstance(first, torch.Tensor) and first.dim() == 0:
+            return first
+        scalars = [i for i, v in enumerate(output) if isinstance(v, torch.Tensor) and v.dim() == 0]
+        hint = f" (e.g. output_loss={scalars[0]}, the scalar there)" if scalars else ""
+        raise TypeError(
+            f"without loss_fn the network must return its loss; it returned "
+            f"{_describe(output)}: say which entry is the loss with build_train_network("
+            f"..., output_loss=<index>){hint}, or pass a loss_fn"
+        )
     raise TypeError(
         f"without loss_fn the network must return its loss (a tensor, a dict with 'loss', or an "
-        f"object with .loss); got {type(output).__name__}"
+        f"object with .loss, or name it with output_loss=); it returned {_describe(output)}"
     )
+
+
+def _detached(output: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
 
 
 class StepMetrics(Mapping[str, Any]):
@@ -204,6 +242,8 @@ class TrainStep(nn.Module):
         loss_scale: the loss scale the next step uses (1.0 without a manager).
         found_inf: the last step's overflow flag as a 0-dim float32 tensor (no sync).
         grad_norm: the unscaled gradient norm of the last applied step (before clipping).
+        last_output: what the network returned for the last micro-batch, detached (the
+            logits for metrics, a recurrent state); None before the first call.
         last_overflow_report: with ``debug_overflow=True``, the
             :class:`~mixprec.diagnose.OverflowReport` of the last skipped step (the first
             non-finite module forward and backward, and a fix); None before a skip.
@@ -247,6 +287,8 @@ class TrainStep(nn.Module):
         self.optimizer_steps = 0
         self.found_inf = torch.zeros(())
         self._grad_norm = torch.tensor(math.nan)  # the last applied step's, on the device
+        #: the network's output of the last micro-batch (detached; None before the first)
+        self.last_output: Any = None
         self._micro_step = 0
         self._ledger = StepLedger()
         self._warned = False
@@ -333,6 +375,7 @@ class TrainStep(nn.Module):
                     if self._debugger is not None:
                         self._batch = (tuple(net_inputs), kwargs, label)
                     output = self.agreement.run(self.network, *net_inputs, **kwargs)
+                    self.last_output = _detached(output)
                     loss = _as_loss(
                         self.loss_fn(
                             cast_tree(output, torch.float32), cast_tree(label, torch.float32)
@@ -342,9 +385,9 @@ class TrainStep(nn.Module):
                 else:
                     if self._debugger is not None:
                         self._batch = (inputs, kwargs, None)
-                    loss = _as_loss(
-                        _loss_of(self.agreement.run(self.network, *inputs, **kwargs)), "the network"
-                    )
+                    output = self.agreement.run(self.network, *inputs, **kwargs)
+                    self.last_output = _detached(output)
+                    loss = _as_loss(_loss_of(output, self.config.output_loss), "the network")
                 scale = self._scale_tensor(loss.device)
                 steps = self.config.accumulation_steps
                 if scale is not None:
@@ -400,6 +443,8 @@ class TrainStep(nn.Module):
         state = None if manager is None else manager.device_state()
         check = manager is None or manager.get_drop_overflow_update()
         device = grads[0].device if grads else self.found_inf.device
+        ledger = self._ledger.snapshot()
+        done = False
         try:
             with torch.no_grad():
                 local = [local_shard(g) for g in grads]  # FSDP2: each rank checks its own shard
@@ -452,10 +497,14 @@ class TrainStep(nn.Module):
                 self._debugger.after_skip(
                     self.network, inputs, kwargs, self.loss_fn, label, loss_scale=used
                 )
+            done = True
             if applied is False and self.hooks.after_skip is not None:
                 self.hooks.after_skip(self)
         finally:
-            self.optimizer_steps += 1
+            if done:  # a step whose optimizer (or anything before it) raised is not counted
+                self.optimizer_steps += 1
+            else:
+                self._ledger.restore(ledger)
             if self.masters is not None:
                 self.masters.step_done()
             self.optimizer.zero_grad(set_to_none=True)
@@ -500,9 +549,12 @@ class TrainStep(nn.Module):
             return
         run = self._ledger.read()[2]
         if run > self.MAX_CONSECUTIVE_OVERFLOWS:
+            manager = self.loss_scale_manager
+            state = None if manager is None else manager.device_state()
+            fixed = state is not None and not state.dynamic and not self._warming_up
             raise RuntimeError(
                 "mixprec training step: "
-                + overflow_limit_message(run, min(self.loss_scale, FLOAT32_MAX))
+                + overflow_limit_message(run, min(self.loss_scale, FLOAT32_MAX), fixed=fixed)
             )
         if run >= self.OVERFLOW_WARNING_AFTER and not self._warned:
             self._warned = True

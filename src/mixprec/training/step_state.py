@@ -52,6 +52,13 @@ class StepLedger:
         """The host copy, read from the device only when stale."""
         return self._host if self._host is not None else self.read_now()
 
+    def snapshot(self) -> tuple[torch.Tensor, tuple[bool, int, int] | None]:
+        """The ledger as it is, to :meth:`restore` if the step fails (no sync)."""
+        return self._values, self._host
+
+    def restore(self, snapshot: tuple[torch.Tensor, tuple[bool, int, int] | None]) -> None:
+        self._values, self._host = snapshot
+
     def load(self, overflow: bool, skipped: int, run: int) -> None:
         self._values = torch.tensor(
             [float(overflow), float(skipped), float(run)], device=self._values.device
@@ -71,7 +78,8 @@ def choose_initial_scale(grads: list[torch.Tensor], dtype: torch.dtype) -> torch
     if not grads:
         return torch.tensor(2.0**16)
     device = grads[0].device
-    norms = torch._foreach_norm([g.float() for g in grads], ord=math.inf)
+    values = [(g._values() if g.is_sparse else g).float() for g in grads]
+    norms = torch._foreach_norm([v for v in values if v.numel()] or [torch.zeros(1)], ord=math.inf)
     amax = torch.stack([n.to(device) for n in norms]).max()
     exponent = torch.floor(torch.log2(INITIAL_GRADIENT_TARGET / amax))
     chosen = torch.exp2(exponent).clamp(1.0, INITIAL_SCALE_CAP)
