@@ -110,7 +110,7 @@ class MixprecCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model = kwargs.get("model")
-        if model is not None:
+        if model is not None and logger.isEnabledFor(logging.INFO):
             from mixprec.convert.plan import explain
 
             for name, child in model.named_children():
@@ -249,12 +249,14 @@ class MixprecTrainer(Trainer):
             loss = super().training_step(*args, **kwargs)
         finally:
             self._scaling_loss = False
-        if self.accelerator.sync_gradients and isinstance(self.optimizer_inner, _SkippingOptimizer):
-            self.mixprec.scaling.unscale_(self.optimizer_inner)  # before clipping and grad_norm
+        if self.accelerator.sync_gradients and isinstance(
+            self._scaled_optimizer, _SkippingOptimizer
+        ):
+            self.mixprec.scaling.unscale_(self._scaled_optimizer)  # before clipping and grad_norm
         return loss / scale
 
     @property
-    def optimizer_inner(self) -> torch.optim.Optimizer | None:
+    def _scaled_optimizer(self) -> torch.optim.Optimizer | None:
         """The mixprec-scaled optimizer under Accelerate's wrapper."""
         optimizer = self.optimizer
         return getattr(optimizer, "optimizer", optimizer) if optimizer is not None else None
