@@ -16,6 +16,7 @@ from torch import nn
 from mixprec._check import require_module
 from mixprec._warn import warn
 from mixprec.convert.autocast import convert_autocast
+from mixprec.convert.declared import with_declared_pins
 from mixprec.convert.emulate import install_emulation
 from mixprec.convert.graph import convert_graph
 from mixprec.convert.module_level import convert_module_level
@@ -85,6 +86,7 @@ def auto_mixed_precision(
     low_modules: Pins = None,
     lint: bool = False,
     emulate: bool = False,
+    declared_fp32: bool = True,
 ) -> nn.Module:
     """Convert a model to a mixed-precision level.
 
@@ -105,6 +107,8 @@ def auto_mixed_precision(
             kernels on the rounded inputs, rounding each result (and gradient) to the low
             dtype: the level's numerics at float32 speed on a machine without native
             low precision (see :mod:`mixprec.convert.emulate`). No effect at O0.
+        declared_fp32: keep the modules the model declares float32 (transformers'
+            ``_keep_in_fp32_modules(_strict)``, see :mod:`mixprec.convert.declared`) in float32.
 
     Returns:
         The converted model (the network itself for O0): a module of the original's
@@ -128,7 +132,7 @@ def auto_mixed_precision(
     recipe = resolve(network, amp_level, dtype, fp32_modules=fp32_modules, low_modules=low_modules)
     if lint and recipe.level is not Level.O0:
         _warn_lint(network, recipe, fp32_modules)
-    return convert(network, recipe, emulate=emulate)
+    return convert(network, recipe, emulate=emulate, declared_fp32=declared_fp32)
 
 
 def _warn_lint(network: nn.Module, recipe: Recipe, fp32_modules: Pins) -> None:
@@ -146,7 +150,9 @@ def check_emulate(emulate: object) -> bool:
     return emulate
 
 
-def convert(network: nn.Module, recipe: Recipe, *, emulate: bool = False) -> nn.Module:
+def convert(
+    network: nn.Module, recipe: Recipe, *, emulate: bool = False, declared_fp32: bool = True
+) -> nn.Module:
     """The one front door of conversion: ``network`` converted by a resolved policy.
 
     Every entry point (``auto_mixed_precision``, ``custom_mixed_precision``,
@@ -165,6 +171,10 @@ def convert(network: nn.Module, recipe: Recipe, *, emulate: bool = False) -> nn.
     if recipe.level is Level.O0:
         return network
     refuse_sharded(network)
+    if not isinstance(declared_fp32, bool):
+        raise TypeError(f"declared_fp32 must be a bool (True or False); got {declared_fp32!r}")
+    if declared_fp32:
+        recipe = with_declared_pins(network, recipe)
     if not emulate:
         warn_if_slow(recipe.dtype, device_of(network))
     if recipe.level in (Level.O2, Level.O3):
@@ -185,11 +195,13 @@ def custom_mixed_precision(
     fp32_modules: Pins = None,
     low_modules: Pins = None,
     emulate: bool = False,
+    declared_fp32: bool = True,
 ) -> nn.Module:
     """Convert with your own list: exactly one of ``white_list`` or ``black_list``.
 
     A white list (module classes and functions) takes the O1 path with that list; a black
-    list (module classes) takes the O2 path with that list. Pins and ``emulate`` work as
+    list (module classes) takes the O2 path with that list. Pins, ``emulate`` and
+    ``declared_fp32`` work as
     in :func:`auto_mixed_precision`; pins beat the list.
 
     Raises:
@@ -235,4 +247,4 @@ def custom_mixed_precision(
                 ", ".join(left_out),
                 dtype_name(recipe.dtype),
             )
-    return convert(network, recipe, emulate=emulate)
+    return convert(network, recipe, emulate=emulate, declared_fp32=declared_fp32)

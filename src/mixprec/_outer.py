@@ -1,0 +1,363 @@
+"""Loss scaling for a training loop that another framework drives.
+
+Lightning, Fabric, the Hugging Face Trainer and Accelerate each run their own loop: they
+call backward, clip, step the optimizer and the learning-rate schedule. mixprec's part
+is the same in all of them, and lives here once:
+
+1. the loss is multiplied by the loss scale before backward (:meth:`LoopScaling.scale`);
+2. before anything reads the gradients (clipping, logging hooks), they are unscaled in
+   place, once per step however often it is asked for (:meth:`LoopScaling.unscale_`);
+3. the optimizer steps only when the gradients are finite, the scale is updated, and a
+   skipped step is counted (:meth:`LoopScaling.step`); a skipped step does not move a
+   learning-rate schedule wrapped in :class:`SkipAwareScheduler`;
+4. the scale, its counters and the step counts are one ``state_dict`` (exact resume).
+
+With no loss-scale manager (bfloat16 by default) every step is a plain optimizer step.
+The framework modules also share :func:`convert_children_` (conversion of a wrapper's
+children in place) and :func:`default_manager`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from mixprec import unscale_
+from mixprec.convert.api import check_emulate, convert
+from mixprec.convert.declared import with_declared_pins
+from mixprec.convert.structure import find_converted
+from mixprec.policy.dtypes import resolve_dtype
+from mixprec.policy.levels import Level, ModulePin, Pins, Recipe, resolve
+from mixprec.training.build import DEFAULT
+from mixprec.training.scaling import DynamicLossScaleManager, LossScaleManager
+
+__all__ = [
+    "LoopScaling",
+    "PluginCore",
+    "PrecisionSettings",
+    "SkipAwareScheduler",
+    "convert_children_",
+    "default_manager",
+]
+
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionSettings:
+    """What a framework plugin converts with: a level, a dtype and the pins (validated).
+
+    Attributes:
+        level: the parsed level.
+        dtype: the low dtype, or None for the device's usual one.
+        fp32_modules / low_modules: pins, as :func:`mixprec.auto_mixed_precision` takes them.
+        emulate: emulate the low-precision GEMMs (:mod:`mixprec.convert.emulate`).
+        declared_fp32: keep what a model declares float32 (:mod:`mixprec.convert.declared`).
+    """
+
+    level: Level
+    dtype: torch.dtype | None
+    fp32_modules: Pins = None
+    low_modules: Pins = None
+    emulate: bool = False
+    declared_fp32: bool = True
+
+    @classmethod
+    def parse(
+        cls,
+        level: str | Level,
+        dtype: torch.dtype | str | None,
+        fp32_modules: Pins,
+        low_modules: Pins,
+        emulate: bool,
+        declared_fp32: bool,
+    ) -> PrecisionSettings:
+        """Validate the user's arguments (a ValueError/TypeError names the bad one)."""
+        if not isinstance(declared_fp32, bool):
+            raise TypeError(f"declared_fp32 must be a bool (True or False); got {declared_fp32!r}")
+        return cls(
+            Level.parse(level, "level"),
+            None if dtype is None else resolve_dtype(dtype),
+            fp32_modules,
+            low_modules,
+            check_emulate(emulate),
+            declared_fp32,
+        )
+
+    def recipe(self, network: nn.Module) -> Recipe:
+        """The conversion policy for ``network`` (pins checked against its module names)."""
+        return resolve(
+            network,
+            self.level,
+            self.dtype,
+            fp32_modules=self.fp32_modules,
+            low_modules=self.low_modules,
+            argument="level",
+        )
+
+    def convert(self, network: nn.Module) -> nn.Module:
+        """``network`` converted (the network itself at O0)."""
+        return convert(
+            network, self.recipe(network), emulate=self.emulate, declared_fp32=self.declared_fp32
+        )
+
+    def low_dtype(self, network: nn.Module) -> torch.dtype | None:
+        """The dtype the network computes in at this level (None at O0)."""
+        recipe = self.recipe(network)
+        return None if recipe.level is Level.O0 else recipe.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class _Below:
+    """A pin on a wrapper, seen from one of its children (picklable)."""
+
+    pin: ModulePin
+    prefix: str
+
+    def __call__(self, module: nn.Module, name: str) -> bool:
+        return self.pin(module, f"{self.prefix}.{name}" if name else self.prefix)
+
+
+def convert_children_(module: nn.Module, settings: PrecisionSettings) -> nn.Module:
+    """Convert each child of ``module`` that holds parameters, in place; returns ``module``.
+
+    Frameworks keep their own reference to the module they were given (Lightning's
+    strategies drop what a precision plugin returns, and its forward redirection needs
+    the original object), so the wrapper stays and its children are replaced by their
+    converted versions, which share their Parameters. Pins name modules from the
+    wrapper, and so do the modules the wrapper declares float32. Children without
+    parameters (losses, metrics) are left as they are.
+    """
+    recipe = settings.recipe(module)
+    if recipe.level is Level.O0:
+        return module
+    if settings.declared_fp32:  # what the wrapper itself declares reaches its children
+        recipe = with_declared_pins(module, recipe)
+    for name, child in list(module.named_children()):
+        if next(child.parameters(), None) is None or next(find_converted(child), None) is not None:
+            continue  # nothing to convert, or converted by an earlier setup
+        own = dataclasses.replace(
+            recipe,
+            fp32_pin=None if recipe.fp32_pin is None else _Below(recipe.fp32_pin, name),
+            low_pin=None if recipe.low_pin is None else _Below(recipe.low_pin, name),
+        )
+        converted = convert(
+            child, own, emulate=settings.emulate, declared_fp32=settings.declared_fp32
+        )
+        setattr(module, name, converted)
+    return module
+
+
+def default_manager(
+    manager: LossScaleManager | object | None, low: torch.dtype | None
+) -> LossScaleManager | None:
+    """The loss-scale manager a plugin uses: ``DEFAULT`` is dynamic for float16, none
+    otherwise (as in :func:`mixprec.build_train_network`); None is no loss scaling."""
+    if manager is DEFAULT:
+        return DynamicLossScaleManager(2.0**16) if low == torch.float16 else None
+    if manager is not None and not isinstance(manager, LossScaleManager):
+        raise TypeError(
+            f"loss_scale_manager must be a mixprec LossScaleManager or None; got {manager!r}"
+        )
+    return manager
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class LoopScaling:
+    """Scale, unscale once, check, step or skip, for one framework's loop.
+
+    Args:
+        manager: the loss-scale policy; None for no scaling (every step is taken).
+
+    Example:
+        >>> scaling = LoopScaling(mixprec.DynamicLossScaleManager(1024))
+        >>> scaling.scale(loss).backward()
+        >>> scaling.step(optimizer, optimizer.step)  # None when skipped
+    """
+
+    def __init__(self, manager: LossScaleManager | None) -> None:
+        self.manager = manager
+        self.steps = 0
+        self.skipped_steps = 0
+        self.overflow = False
+        self.consecutive_overflows = 0
+        self.overflow_module: str | None = None
+        self.grad_norm: torch.Tensor | None = None
+        self._found: dict[int, torch.Tensor] = {}
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the loss is scaled at all."""
+        return self.manager is not None
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without a manager; reads the device)."""
+        return 1.0 if self.manager is None else self.manager.get_loss_scale()
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (the loss itself without a manager)."""
+        return loss if self.manager is None else loss * self.loss_scale
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Unscale ``optimizer``'s gradients in place (:func:`mixprec.unscale_`), once per
+        step; returns the found-inf flag (a 0-dim bool tensor)."""
+        key = id(optimizer)
+        if key not in self._found:
+            if self.manager is None:
+                self._found[key] = torch.tensor(False)
+            else:
+                self._found[key] = unscale_(optimizer, self.loss_scale)
+        return self._found[key]
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        do_step: Callable[[], _T],
+        model: nn.Module | None = None,
+    ) -> _T | None:
+        """Unscale (if not done yet), then ``do_step()`` unless the gradients overflowed;
+        update the scale. Returns what ``do_step`` returned, None for a skipped step.
+
+        ``model`` (optional) names the module whose gradient overflowed first.
+        """
+        if self.manager is None:
+            self._found.clear()
+            self.overflow = False
+            self.steps += 1
+            return do_step()
+        found = self.unscale_(optimizer)
+        drop = self.manager.get_drop_overflow_update()
+        overflow = bool(found) if drop else False
+        self.overflow = overflow
+        result: _T | None = None
+        self.consecutive_overflows = self.consecutive_overflows + 1 if overflow else 0
+        if overflow:
+            self.skipped_steps += 1
+            self.overflow_module = _first_non_finite(optimizer, model)
+        else:
+            result = do_step()
+            self.steps += 1
+        self.manager.update_loss_scale(overflow)
+        self._found.clear()
+        return result
+
+    def metrics(self) -> dict[str, float]:
+        """What the plugins log (the names of :meth:`mixprec.TrainStep.metrics`): the loss
+        scale, skipped steps, the last step's overflow, consecutive overflows and, where
+        the plugin clipped, the unscaled gradient norm."""
+        out = {
+            "loss_scale": self.loss_scale,
+            "skipped_steps": float(self.skipped_steps),
+            "overflow": float(self.overflow),
+            "consecutive_overflows": float(self.consecutive_overflows),
+        }
+        if self.grad_norm is not None:
+            out["grad_norm"] = float(self.grad_norm)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The manager's state and the step counts."""
+        return {
+            "loss_scale_manager": None if self.manager is None else self.manager.state_dict(),
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        manager_state = state.get("loss_scale_manager")
+        if (manager_state is None) != (self.manager is None):
+            raise ValueError(
+                "the checkpoint's loss scaling does not match this plugin's: "
+                f"checkpoint manager state {manager_state!r}, plugin manager {self.manager!r}"
+            )
+        if self.manager is not None and manager_state is not None:
+            self.manager.load_state_dict(manager_state)
+        self.steps = int(state["steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+
+def _first_non_finite(optimizer: torch.optim.Optimizer, model: nn.Module | None) -> str | None:
+    names: dict[torch.Tensor, str] = {}
+    if model is not None:
+        names = {p: n for n, p in model.named_parameters()}
+    for p in _params(optimizer):
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            name = names.get(p)
+            return None if name is None else name.rpartition(".")[0] or name
+    return None
+
+
+class SkipAwareScheduler:
+    """A learning-rate scheduler that does not move after a skipped optimizer step.
+
+    It steps only when the optimizer took a step since its own last step, so an
+    overflow skipped by the loss scaling leaves the learning rate where it was. Every
+    other attribute (``state_dict``, ``get_last_lr``, ``optimizer``) is the scheduler's.
+    """
+
+    def __init__(self, scheduler: Any, scaling: LoopScaling) -> None:
+        self.scheduler = scheduler
+        self.scaling = scaling
+        self.seen = scaling.steps
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """The scheduler's ``step``, unless no optimizer step was taken since the last one."""
+        if self.scaling.steps == self.seen:
+            return
+        self.seen = self.scaling.steps
+        self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["scheduler"], name)
+
+
+def wrap_schedulers(schedulers: Iterable[Any], scaling: LoopScaling) -> list[SkipAwareScheduler]:
+    """Each scheduler made skip-aware (one already wrapped is returned as it is)."""
+    return [
+        s if isinstance(s, SkipAwareScheduler) else SkipAwareScheduler(s, scaling)
+        for s in schedulers
+    ]
+
+
+class PluginCore:
+    """What every framework plugin holds: the validated settings and the loss scaling.
+
+    Args: as :class:`mixprec.lightning.MixedPrecision` (``loss_scale_manager=DEFAULT`` is
+    the dtype's default, decided when the model is converted if ``dtype`` is None).
+    """
+
+    def __init__(
+        self,
+        level: str | Level,
+        dtype: torch.dtype | str | None,
+        fp32_modules: Pins,
+        low_modules: Pins,
+        loss_scale_manager: LossScaleManager | object | None,
+        emulate: bool,
+        declared_fp32: bool,
+    ) -> None:
+        self.settings = PrecisionSettings.parse(
+            level, dtype, fp32_modules, low_modules, emulate, declared_fp32
+        )
+        self.manager_arg = loss_scale_manager
+        low = None if self.settings.level is Level.O0 else self.settings.dtype
+        self.scaling = LoopScaling(default_manager(loss_scale_manager, low))
+        self.converted = False
+
+    def convert_children_(self, module: nn.Module) -> nn.Module:
+        """Convert ``module``'s children in place (again: only what is new); returns it."""
+        if not self.converted and self.manager_arg is DEFAULT and self.settings.dtype is None:
+            # the dtype comes from the device: so does the default manager
+            low = self.settings.low_dtype(module)
+            self.scaling = LoopScaling(default_manager(DEFAULT, low))
+        self.converted = True
+        return convert_children_(module, self.settings)

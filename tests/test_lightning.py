@@ -1,0 +1,269 @@
+"""mixprec.lightning: the Trainer plugin and the Fabric plugin, with the real Lightning."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+lightning = pytest.importorskip("lightning")
+
+import mixprec  # noqa: E402
+from mixprec.lightning import FabricMixedPrecision, MixedPrecision  # noqa: E402
+
+LR = 0.1
+BATCHES = 4  # per epoch
+
+
+def data() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * BATCHES, 4, generator=g)
+    y = x.sum(dim=1, keepdim=True)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
+
+
+class Tiny(lightning.LightningModule):
+    """Linear, LayerNorm, Linear; an overflow injected at chosen (epoch, batch)s."""
+
+    def __init__(self, overflow_at: tuple[tuple[int, int], ...] = ()) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+        self.loss_fn = nn.MSELoss()
+        self.overflow_at = overflow_at
+        self.seen_dtypes: list[torch.dtype] = []
+        self.grad_norms: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        hidden = self.body[0](x)
+        self.seen_dtypes.append(hidden.dtype)
+        loss = self.loss_fn(self.body(x), y)
+        if (self.current_epoch, batch_idx) in self.overflow_at:
+            loss = loss * math.inf
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.grad_norms.append(
+            float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+        )
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=LR)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+
+class Recorder(lightning.Callback):
+    def __init__(self) -> None:
+        self.logged: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        self.logged.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def trainer(plugin: Any, tmp_path: Path, epochs: int = 1, **kwargs: Any) -> Any:
+    return lightning.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[plugin],
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+CASES = [
+    pytest.param("bf16", id="O2-bf16"),
+    pytest.param("fp16", id="O2-fp16"),
+]
+
+
+@pytest.mark.parametrize("dtype", CASES)
+def test_trains_in_the_level_and_skips_an_overflow(dtype: str, tmp_path: Path) -> None:
+    manager = mixprec.DynamicLossScaleManager(2.0**10, scale_window=100)
+    plugin = MixedPrecision("O2", dtype, loss_scale_manager=manager, emulate=True)
+    model = Tiny(overflow_at=((0, 1),))
+    recorder = Recorder()
+    t = trainer(plugin, tmp_path, gradient_clip_val=1e6, callbacks=[recorder])
+    t.fit(model, data())
+    low = mixprec.policy.dtypes.resolve_dtype(dtype)
+    assert set(model.seen_dtypes) == {low}  # the LightningModule's children converted in place
+    assert plugin.skipped_steps == 1
+    assert t.global_step == BATCHES - 1  # the skipped step is not an optimizer step
+    scheduler = t.lr_scheduler_configs[0].scheduler
+    assert scheduler.get_last_lr() == [LR * 0.5 ** (BATCHES - 1)]  # nor a schedule step
+    assert plugin.loss_scale == 2.0**9
+    assert plugin.overflow_module == "body.0"  # the first in the optimizer with an inf gradient
+    logged = recorder.logged
+    assert [row["mixprec/overflow"] for row in logged] == [0.0, 1.0, 0.0, 0.0]
+    assert [row["mixprec/loss_scale"] for row in logged] == [1024.0, 512.0, 512.0, 512.0]
+    assert logged[-1]["mixprec/skipped_steps"] == 1.0
+    # the hooks and the logged norm see unscaled gradients: the same norm, far below the scale
+    clean = [n for i, n in enumerate(model.grad_norms) if i != 1]
+    norms = [row["mixprec/grad_norm"] for i, row in enumerate(logged) if i != 1]
+    assert norms == pytest.approx(clean, rel=1e-5)
+    assert max(clean) < 100
+
+
+def test_skipped_step_leaves_the_weights(tmp_path: Path) -> None:
+    plugin = MixedPrecision("O2", "fp16", emulate=True)
+    model = Tiny(overflow_at=tuple((0, i) for i in range(BATCHES)))
+    before = weights(model)
+    t = trainer(plugin, tmp_path)
+    t.fit(model, data())
+    after = weights(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert t.global_step == 0
+    assert plugin.skipped_steps == BATCHES
+    assert plugin.loss_scale == 2.0**16 / 2**BATCHES
+
+
+@pytest.mark.parametrize("dtype", CASES)
+def test_checkpoint_resumes_bit_identically(dtype: str, tmp_path: Path) -> None:
+    def plugin() -> MixedPrecision:
+        manager = mixprec.DynamicLossScaleManager(2.0**10, scale_window=3)
+        return MixedPrecision("O2", dtype, loss_scale_manager=manager, emulate=True)
+
+    straight, p_straight = Tiny(overflow_at=((0, 1), (1, 2))), plugin()
+    trainer(p_straight, tmp_path / "a", epochs=2).fit(straight, data())
+
+    first, p_first = Tiny(overflow_at=((0, 1), (1, 2))), plugin()
+    t = trainer(p_first, tmp_path / "b", epochs=1)
+    t.fit(first, data())
+    ckpt = tmp_path / "one_epoch.ckpt"
+    t.save_checkpoint(ckpt)
+    resumed, p_resumed = Tiny(overflow_at=((0, 1), (1, 2))), plugin()
+    t2 = trainer(p_resumed, tmp_path / "c", epochs=2)
+    t2.fit(resumed, data(), ckpt_path=ckpt)
+
+    a, b = weights(straight), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert p_resumed.state_dict() == p_straight.state_dict()  # 0-dim tensors compare by value
+    assert p_resumed.skipped_steps == 2
+    assert t2.global_step == 2 * BATCHES - 2
+    assert t2.lr_scheduler_configs[0].scheduler.get_last_lr() == [LR * 0.5 ** (2 * BATCHES - 2)]
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O3", "autocast"])
+def test_every_level(level: str, tmp_path: Path) -> None:
+    model = Tiny()
+    trainer(MixedPrecision(level, "bf16", emulate=True), tmp_path, max_steps=2).fit(model, data())
+    # the first Linear computes low at every level but O0
+    assert model.seen_dtypes[0] == (torch.float32 if level == "O0" else torch.bfloat16)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_pins_name_modules_from_the_lightning_module(tmp_path: Path) -> None:
+    model = Tiny()
+    plugin = MixedPrecision("O2", "bf16", fp32_modules=["body.0"], emulate=True)
+    trainer(plugin, tmp_path, max_steps=1).fit(model, data())
+    rows = {row["path"]: row["dtype"] for row in mixprec.explain(model.body).to_dict()["rows"]}
+    assert rows["0"] == "float32"  # an fp32 island (its output is cast back down)
+    assert rows["2"] == "bfloat16"
+    body = model.body
+    assert plugin.convert_module(model) is model  # a second setup (fit, then test) converts nothing
+    assert model.body is body
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="O9"):
+        MixedPrecision("O9")
+    with pytest.raises(ValueError, match="fp12"):
+        MixedPrecision("O2", "fp12")
+    with pytest.raises(TypeError, match="loss_scale_manager"):
+        MixedPrecision("O2", "fp16", loss_scale_manager=1024)
+    with pytest.raises(TypeError, match="log_metrics"):
+        MixedPrecision("O2", log_metrics="yes")
+
+
+def _ddp_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    import os
+    import warnings
+
+    warnings.simplefilter("ignore")
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    manager = mixprec.DynamicLossScaleManager(2.0**10, scale_window=100)
+    plugin = MixedPrecision("O2", "fp16", loss_scale_manager=manager, emulate=True)
+    model = Tiny(overflow_at=((0, 1),) if rank == 1 else ())  # one rank overflows
+    t = lightning.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp",
+        plugins=[plugin],
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    t.fit(model, data())
+    return {
+        "weights": weights(model),
+        "skipped": plugin.skipped_steps,
+        "global_step": t.global_step,
+        "lr": t.lr_scheduler_configs[0].scheduler.get_last_lr(),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ddp_every_rank_skips_the_step_one_rank_overflowed(tmp_path: Path) -> None:
+    from spawn import run
+
+    first, second = run(_ddp_rank, tmp_path, str(tmp_path), bound=120.0)
+    assert first["skipped"] == second["skipped"] == 1
+    assert first["global_step"] == second["global_step"] == BATCHES // 2 - 1
+    assert first["lr"] == second["lr"] == [LR * 0.5 ** (BATCHES // 2 - 1)]
+    assert all(torch.equal(first["weights"][k], second["weights"][k]) for k in first["weights"])
+
+
+def test_fabric_scales_unscales_once_and_skips(tmp_path: Path) -> None:
+    manager = mixprec.DynamicLossScaleManager(2.0**10, scale_window=100)
+    plugin = FabricMixedPrecision("O2", "fp16", loss_scale_manager=manager, emulate=True)
+    fabric = lightning.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    scheduler = plugin.skip_aware(torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5))
+    model, optimizer = fabric.setup(model, optimizer)
+    norms = []
+    for i, (x, y) in enumerate(data()):
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss * math.inf if i == 1 else loss)
+        clip = {"max_norm": 1e6, "error_if_nonfinite": False}  # an overflow is skipped below
+        norms.append(float(fabric.clip_gradients(model, optimizer, **clip)))
+        again = float(fabric.clip_gradients(model, optimizer, **clip))
+        assert again == pytest.approx(norms[-1], nan_ok=True)  # unscaled once, not twice
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    rows = mixprec.explain(model.module[0]).to_dict()["rows"]
+    assert rows[0]["dtype"] == "float16"  # each child is converted in place
+    assert plugin.skipped_steps == 1
+    assert plugin.loss_scale == 512.0
+    assert scheduler.get_last_lr() == [LR * 0.5 ** (BATCHES - 1)]
+    assert max(n for i, n in enumerate(norms) if i != 1) < 100  # unscaled
+    state = {"model": model, "optimizer": optimizer, "precision": plugin}
+    fabric.save(tmp_path / "state.ckpt", state)
+    other = FabricMixedPrecision("O2", "fp16", emulate=True)
+    fabric.load(tmp_path / "state.ckpt", {"precision": other})
+    assert other.loss_scale == 512.0
+    assert other.skipped_steps == 1
