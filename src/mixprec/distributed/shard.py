@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.fp8.swap import apply_fp8
 from mixprec.policy import lists
 from mixprec.policy.levels import Level, Pins, Precision, Recipe, resolve
 
@@ -118,6 +119,8 @@ def fully_shard(
     blocks: Blocks = None,
     fp32_modules: Pins = None,
     low_modules: Pins = None,
+    fp8: str | None = None,
+    fp8_filter: Callable[[nn.Module, str], bool] | None = None,
     **fsdp_kwargs: Any,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 so that it computes at ``level``.
@@ -129,6 +132,8 @@ def fully_shard(
         blocks: module classes (a tuple) or a filter ``(module, qualified_name) -> bool``:
             extra FSDP units in their parent's precision (for memory, as usual with FSDP2).
         fp32_modules / low_modules: pins, as in :func:`mixprec.auto_mixed_precision`.
+        fp8 / fp8_filter: fp8 GEMMs for chosen linear layers (:mod:`mixprec.fp8`), swapped in
+            place before sharding.
         **fsdp_kwargs: passed to every ``torch.distributed.fsdp.fully_shard`` call
             (``mesh``, ``reshard_after_forward``, ...); not ``mp_policy``.
 
@@ -157,6 +162,7 @@ def fully_shard(
     if fsdp_of(model) is not None:
         raise ValueError("model is already sharded by fully_shard: shard the unsharded model")
     recipe = resolve(model, level, dtype, fp32_modules=fp32_modules, low_modules=low_modules)
+    model = apply_fp8(model, fp8, filter=fp8_filter, fp32_pin=recipe.fp32_pin, inplace=True)
     root_low = recipe.level in (Level.O2, Level.O3)
     units: list[tuple[nn.Module, Any]] = []
     islands: set[int] = set()

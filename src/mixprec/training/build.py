@@ -28,6 +28,7 @@ from mixprec.boost.plan import plan_boost
 from mixprec.convert.api import check_network, convert
 from mixprec.distributed.replicas import Replicas, ddp_of, find_replicas, fsdp_of
 from mixprec.distributed.shard import sharded_level
+from mixprec.fp8.swap import apply_fp8
 from mixprec.policy.dtypes import dtype_name, resolve_dtype
 from mixprec.policy.levels import Level, Pins, Recipe, resolve
 from mixprec.training.master import MasterWeights
@@ -244,6 +245,8 @@ def build_train_network(
     process_group: Any = None,
     boost_config: Mapping[str, Any] | None = None,
     emulate: bool = False,
+    fp8: str | None = None,
+    fp8_filter: Callable[[nn.Module, str], bool] | None = None,
 ) -> TrainStep:
     """Build a mixed-precision training step.
 
@@ -279,6 +282,8 @@ def build_train_network(
         boost_config: options of the boost level (see :class:`mixprec.boost.BoostConfig`).
         emulate: run the low-precision GEMMs (forward and backward) as float32 kernels on
             rounded inputs with rounded results, as :func:`mixprec.auto_mixed_precision`.
+        fp8 / fp8_filter: fp8 GEMMs for chosen linear layers, as
+            :func:`mixprec.auto_mixed_precision` (under FSDP2, pass them to ``fully_shard``).
 
     Returns:
         A :class:`TrainStep`: ``loss = step(*inputs, label)`` (or ``step(*inputs, **kwargs)``
@@ -338,7 +343,12 @@ def build_train_network(
         check_boundaries(inner, manager.loss_scale_groups)
     _check_wrapped(inner, replicas, config)
     # under FSDP2 the parameters are FSDP2's to cast (see mixprec.distributed.fully_shard)
-    converted = inner if fsdp is not None else convert(inner, recipe, emulate=emulate)
+    if fsdp is not None and fp8 is not None:
+        raise ValueError("fp8 under FSDP2 is fully_shard's option: pass fp8= to it, not here")
+    fp8_inner = apply_fp8(
+        inner, fp8, filter=fp8_filter, fp32_pin=recipe.fp32_pin, emulate=emulate or None
+    )
+    converted = inner if fsdp is not None else convert(fp8_inner, recipe, emulate=emulate)
     masters = None
     if config.cast_model_type != torch.float32:
         masters = MasterWeights.install(converted)
