@@ -38,9 +38,11 @@ class Fp8Report:
         if not self.hurt:
             return f"fp8 ({self.recipe.value}) hurts no layer beyond {self.threshold:.1%}"
         names = ", ".join(repr(row.layer) for row in self.hurt)
+        hint = ""
+        if self.recipe is Fp8Recipe.TENSORWISE:
+            hint = " (or try the 'rowwise' recipe, whose per-row scales isolate outliers)"
         return (
-            f"keep {names} in bf16: fp8_filter=lambda module, name: name not in {{{names}}} "
-            "(or try the 'rowwise' recipe, whose per-row scales isolate outliers)"
+            f"keep {names} in bf16: fp8_filter=lambda module, name: name not in {{{names}}}{hint}"
         )
 
     def __str__(self) -> str:
