@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from mixprec.cli.demo_config import LEVEL_CHOICES, DemoConfig
 from mixprec.cli.diagnose import add_commands as add_diagnose_commands
+from mixprec.cli.fp8_check import add_command as add_fp8_check
 from mixprec.cli.plan import PlanError
 from mixprec.cli.terminal import (
     ProgressLine,
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-measure", action="store_true", help="skip the timed matmuls (probes only)"
     )
     add_diagnose_commands(commands)  # find-overflow, lint
+    add_fp8_check(commands)  # fp8-check
     return parser
 
 

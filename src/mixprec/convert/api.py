@@ -22,6 +22,7 @@ from mixprec.convert.graph import convert_graph
 from mixprec.convert.module_level import convert_module_level
 from mixprec.convert.structure import find_converted
 from mixprec.distributed.shard import refuse_sharded
+from mixprec.fp8.swap import apply_fp8
 from mixprec.policy import lists
 from mixprec.policy.dtypes import device_of, dtype_name, warn_if_slow
 from mixprec.policy.levels import Level, Pins, Recipe, check_list, resolve
@@ -87,6 +88,8 @@ def auto_mixed_precision(
     lint: bool = False,
     emulate: bool = False,
     declared_fp32: bool = True,
+    fp8: str | None = None,
+    fp8_filter: Callable[[nn.Module, str], bool] | None = None,
 ) -> nn.Module:
     """Convert a model to a mixed-precision level.
 
@@ -109,6 +112,12 @@ def auto_mixed_precision(
             low precision (see :mod:`mixprec.convert.emulate`). No effect at O0.
         declared_fp32: keep the modules the model declares float32 (transformers'
             ``_keep_in_fp32_modules(_strict)``, see :mod:`mixprec.convert.declared`) in float32.
+        fp8: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``: the GEMMs of the
+            chosen linear layers run in fp8 with that recipe, at any level (see
+            :mod:`mixprec.fp8`): natively on a CUDA GPU with fp8, emulated elsewhere or
+            with ``emulate``.
+        fp8_filter: ``(module, qualified_name) -> bool``, the linear layers to put in fp8
+            (default: dims multiples of 16, not the first and last); fp32 pins win.
 
     Returns:
         The converted model (the network itself for O0): a module of the original's
@@ -132,6 +141,9 @@ def auto_mixed_precision(
     recipe = resolve(network, amp_level, dtype, fp32_modules=fp32_modules, low_modules=low_modules)
     if lint and recipe.level is not Level.O0:
         _warn_lint(network, recipe, fp32_modules)
+    network = apply_fp8(
+        network, fp8, filter=fp8_filter, fp32_pin=recipe.fp32_pin, emulate=emulate or None
+    )
     return convert(network, recipe, emulate=emulate, declared_fp32=declared_fp32)
 
 

@@ -272,7 +272,9 @@ def explain(network: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> 
             f"network {type(network).__name__} was not converted by mixprec: convert it first with "
             "mixprec.auto_mixed_precision(network, level) or mixprec.custom_mixed_precision(...)"
         )
-    plan = conversion.plan if conversion.refresh is None else conversion.refresh()
+    plan = _with_fp8(
+        conversion.plan if conversion.refresh is None else conversion.refresh(), network
+    )
     if not example_inputs and not example_kwargs:
         return plan
     try:
@@ -367,6 +369,21 @@ def _measured(
     return dataclasses.replace(
         plan, rows=rows, assumption="the given example inputs, measured on fake tensors"
     )
+
+
+def _with_fp8(plan: CastPlan, network: nn.Module) -> CastPlan:
+    """The rows of fp8 layers (:mod:`mixprec.fp8`) name their recipe in the op column."""
+    fp8 = {
+        name: f"{type(module).__name__} [fp8 {module.fp8_config.recipe.value}]"
+        for name, module in network.named_modules()
+        if hasattr(module, "fp8_config")
+    }
+    if not fp8:
+        return plan
+    rows = tuple(
+        dataclasses.replace(row, op=fp8[row.path]) if row.path in fp8 else row for row in plan.rows
+    )
+    return dataclasses.replace(plan, rows=rows)
 
 
 def _needs_cast(value: Any, target: torch.dtype) -> bool:

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from mixprec.fp8.swap import apply_fp8
 from mixprec.policy import lists
 from mixprec.policy.dtypes import dtype_name
 from mixprec.policy.levels import Level, Pins, Precision, Recipe, resolve
@@ -147,6 +148,8 @@ def fully_shard(
     low_modules: Pins = None,
     keep_batchnorm_fp32: bool | None = None,
     sync_every_micro_batch: bool = True,
+    fp8: str | None = None,
+    fp8_filter: Callable[[nn.Module, str], bool] | None = None,
     **fsdp_kwargs: Any,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 so that it computes at ``level``.
@@ -163,6 +166,8 @@ def fully_shard(
         sync_every_micro_batch: under gradient accumulation, reduce-scatter every
             micro-batch (sharded gradients only; the default) or only the last one
             (one reduce-scatter per step, unsharded float32 gradients kept meanwhile).
+        fp8 / fp8_filter: fp8 GEMMs for chosen linear layers (:mod:`mixprec.fp8`), swapped in
+            place before sharding.
         **fsdp_kwargs: passed to every ``torch.distributed.fsdp.fully_shard`` call
             (``mesh``, ``reshard_after_forward``, ...); not ``mp_policy``.
 
@@ -203,6 +208,7 @@ def fully_shard(
         low_modules=low_modules,
         keep_batchnorm_fp32=keep_batchnorm_fp32,
     )
+    model = apply_fp8(model, fp8, filter=fp8_filter, fp32_pin=recipe.fp32_pin, inplace=True)
     for module, policy in reversed(_units(model, recipe, blocks)):  # innermost first
         torch_fully_shard(module, mp_policy=policy, **fsdp_kwargs)
     if recipe.level in (Level.O2, Level.O3):

@@ -25,6 +25,7 @@ from mixprec._warn import warn
 from mixprec.convert.api import check_network, convert
 from mixprec.distributed.replicas import Replicas, ddp_of, find_replicas, fsdp_of, plain
 from mixprec.distributed.shard import check_sharded_step
+from mixprec.fp8.swap import apply_fp8
 from mixprec.policy.dtypes import resolve_dtype
 from mixprec.policy.levels import Level, Pins, Precision, Recipe, resolve
 from mixprec.training.master import MasterWeights
@@ -260,6 +261,8 @@ def build_train_network(
     boost_config: Mapping[str, Any] | None = None,
     emulate: bool = False,
     output_loss: int | str | None = None,
+    fp8: str | None = None,
+    fp8_filter: Callable[[nn.Module, str], bool] | None = None,
 ) -> TrainStep:
     """Build a mixed-precision training step.
 
@@ -299,6 +302,8 @@ def build_train_network(
             index (``output[1]`` of ``(logits, loss)``) or a key or attribute name. Left
             out: the output itself, ``output["loss"]``, ``output.loss``, or a scalar
             ``output[0]``; any other output is refused with what it holds.
+        fp8 / fp8_filter: fp8 GEMMs for chosen linear layers, as
+            :func:`mixprec.auto_mixed_precision` (under FSDP2, pass them to ``fully_shard``).
 
     Returns:
         A :class:`TrainStep`: ``loss = step(*inputs, label)`` (or ``step(*inputs, **kwargs)``
@@ -371,7 +376,12 @@ def build_train_network(
     options = {**pins, "keep_batchnorm_fp32": keep_batchnorm_fp32}
     _check_wrapped(inner, replicas, config, emulate, options)
     # under FSDP2 the parameters are FSDP2's to cast (see mixprec.distributed.fully_shard)
-    converted = inner if fsdp is not None else convert(inner, recipe, emulate=emulate)
+    if fsdp is not None and fp8 is not None:
+        raise ValueError("fp8 under FSDP2 is fully_shard's option: pass fp8= to it, not here")
+    fp8_inner = apply_fp8(
+        inner, fp8, filter=fp8_filter, fp32_pin=recipe.fp32_pin, emulate=emulate or None
+    )
+    converted = inner if fsdp is not None else convert(fp8_inner, recipe, emulate=emulate)
     masters = None
     if config.cast_model_type != torch.float32:
         masters = MasterWeights.install(converted)
