@@ -8,7 +8,6 @@ Run: python benchmarks/bench_cast_at_use.py
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -19,11 +18,6 @@ from torch import nn
 
 import mixprec as amp
 from mixprec.cli.models import TinyMLP, TinyTransformer
-
-try:
-    from mixprec.convert.cast_at_use import reuse_weight_casts
-except ImportError:  # an older checkout: its inference cache is always on
-    reuse_weight_casts = None  # type: ignore[assignment]
 
 
 def _median_ms(fn: Callable[[], Any], calls: int = 50) -> float:
@@ -61,7 +55,7 @@ def main() -> None:
     ]
     print(
         f"{'model':26s} {'convert':>9s} {'fp32':>8s} {'O2 grad':>9s} "
-        f"{'O2 no_grad':>11s} {'+cache':>8s}   (ms, medians)"
+        f"{'O2 no_grad':>11s}   (ms, medians)"
     )
     for name, model, inputs in models:
         converted = amp.auto_mixed_precision(model, "O2", "bf16")
@@ -83,14 +77,7 @@ def main() -> None:
         with torch.no_grad():
             fp32 = _median_ms(run_fp32)
             plain = _median_ms(run)
-            cache = (
-                reuse_weight_casts(converted)
-                if reuse_weight_casts is not None
-                else contextlib.nullcontext()
-            )
-            with cache:
-                cached = _median_ms(run)
-        print(f"{name:26s} {convert_ms:9.2f} {fp32:8.3f} {grad:9.3f} {plain:11.3f} {cached:8.3f}")
+        print(f"{name:26s} {convert_ms:9.2f} {fp32:8.3f} {grad:9.3f} {plain:11.3f}")
 
 
 if __name__ == "__main__":

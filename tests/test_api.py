@@ -43,7 +43,6 @@ PUBLIC = {
     "is_native",
     "lint",
     "low_precision_parameters",
-    "reuse_weight_casts",
     "unscale_",
 }
 
@@ -276,7 +275,15 @@ def test_every_deep_path_the_docs_teach_is_public_at_the_top() -> None:
     import mixprec.policy.dtypes as dtypes
     import mixprec.policy.hardware as hardware
 
-    assert amp.reuse_weight_casts is cast_at_use.reuse_weight_casts
     assert amp.low_precision_parameters is cast_at_use.low_precision_parameters
     assert amp.dtype_name is dtypes.dtype_name
     assert amp.is_native is hardware.is_native
+
+
+def test_reuse_weight_casts_is_a_deprecated_no_op() -> None:
+    from mixprec.convert.cast_at_use import reuse_weight_casts
+
+    model = amp.auto_mixed_precision(torch.nn.Linear(4, 4), "O2", "bf16")
+    with pytest.warns(DeprecationWarning, match="does nothing"), reuse_weight_casts(model):
+        pass
+    assert not hasattr(amp, "reuse_weight_casts")

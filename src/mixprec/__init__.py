@@ -12,7 +12,7 @@ from mixprec.convert.api import (
     get_black_list,
     get_white_list,
 )
-from mixprec.convert.cast_at_use import low_precision_parameters, reuse_weight_casts
+from mixprec.convert.cast_at_use import low_precision_parameters
 from mixprec.convert.plan import CastPlan, explain
 from mixprec.diagnose import (
     CalibrationReport,
@@ -65,7 +65,6 @@ __all__ = [
     "is_native",
     "lint",
     "low_precision_parameters",
-    "reuse_weight_casts",
     "unscale_",
 ]
 

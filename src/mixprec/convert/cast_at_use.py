@@ -370,3 +370,22 @@ def low_precision_parameters(converted: nn.Module) -> list[LowParameter]:
             f"converted must be a module converted at O2 or O3; got {type(converted).__name__}"
         )
     return found
+
+
+def reuse_weight_casts(converted: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Deprecated: a context that does nothing; casts are no longer kept across calls.
+
+    The cross-call cast cache served stale casts after writes no version counter sees
+    (``.data``, a fused optimizer's kernel), so it was removed: every call casts afresh.
+    The name stays for one release so that code using it keeps running.
+    """
+    import warnings
+
+    del converted
+    warnings.warn(
+        "reuse_weight_casts is deprecated and does nothing: a converted model casts its weights "
+        "on every call, so every write is what the next call computes with",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return contextlib.nullcontext()
