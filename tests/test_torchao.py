@@ -19,7 +19,6 @@ import mixprec  # noqa: E402
 
 LEVELS = ["O0", "O1", "O2", "O3", "autocast"]
 #: What issue-18b (conversion-side composition) makes work; strict, so it is noticed.
-EMULATION_PENDING = "mixprec's emulate=True intercepts GEMMs on torchao's Float8TrainingTensor"
 O1_PENDING = "O1 takes Float8Linear (an nn.Linear subclass) as a white-list unit"
 
 
@@ -54,7 +53,6 @@ def test_float8_training_at_every_level(level: str) -> None:
 
 
 @pytest.mark.parametrize("level", [lvl for lvl in LEVELS if lvl != "O0"])
-@pytest.mark.xfail(strict=True, reason=EMULATION_PENDING)
 def test_float8_training_emulated(level: str) -> None:
     model, out, reference = train_step(level, emulate=True)
     assert all(p.grad is not None for p in model.parameters())

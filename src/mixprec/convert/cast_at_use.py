@@ -46,7 +46,7 @@ from torch.overrides import TorchFunctionMode
 from mixprec._warn import warn
 from mixprec.policy import lists
 from mixprec.policy.dtypes import is_castable
-from mixprec.policy.ops import cast_tree, op_name
+from mixprec.policy.ops import cast_tree, only_plain_tensors, op_name
 
 __all__ = [
     "CastState",
@@ -226,7 +226,7 @@ class MixedOperands(TorchFunctionMode):
         else:
             known = self._lower.get(func)
             lower = self._lower[func] = op_name(func) in _LOWER_OPS if known is None else known
-        if lower and self._mixed(args, kwargs):
+        if lower and self._mixed(args, kwargs) and only_plain_tensors(args, kwargs):
             args, kwargs = cast_tree((args, kwargs), self.dtype)
         return func(*args, **kwargs)
 

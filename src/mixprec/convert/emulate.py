@@ -49,6 +49,7 @@ from mixprec.convert.cast_at_use import ModuleCall
 from mixprec.convert.plan import CastPlan, Conversion
 from mixprec.convert.structure import CONVERSION_ATTR, add_repr_note, conversion_of
 from mixprec.policy.dtypes import dtype_name
+from mixprec.policy.ops import only_plain_tensors
 
 __all__ = [
     "EMULATED_FUNCTIONS",
@@ -228,18 +229,6 @@ def _down(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-_PLAIN = (
-    (torch.Tensor, nn.Parameter, nn.Buffer)
-    if hasattr(nn, "Buffer")
-    else (torch.Tensor, nn.Parameter)
-)
-
-
-def _plain(types: Any) -> bool:
-    """Only plain tensors take part (a tensor subclass keeps its own GEMMs)."""
-    return all(kind in _PLAIN for kind in types)
-
-
 class EmulationMode(TorchFunctionMode):
     """Runs the GEMM family in float32 on low-precision inputs, rounding the results.
 
@@ -266,7 +255,9 @@ class EmulationMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if not _plain(types):  # torchao Float8 tensors, DTensor, ...: their own dispatch
+        if func not in EMULATED_FUNCTIONS and func not in _IN_PLACE:
+            return func(*args, **kwargs)
+        if not only_plain_tensors(args, kwargs):  # torchao Float8, DTensor: their own dispatch
             return func(*args, **kwargs)
         if func in EMULATED_FUNCTIONS:
             low = None if kwargs.get("out") is not None else _low_dtype(args, kwargs)

@@ -127,3 +127,23 @@ def op_key(target: str | Callable[..., Any]) -> str | Callable[..., Any]:
     if module is None or module.split(".")[0] in _TORCH_MODULES:
         return op_name(target)
     return target
+
+
+def only_plain_tensors(args: Iterable[Any], kwargs: dict[str, Any]) -> bool:
+    """True when no operand (top level or in a list/tuple) is a tensor subclass of its own.
+
+    Parameters, buffers and fake tensors count as plain. A subclass with its own dispatch
+    (torchao's Float8 tensors, DTensor) keeps its own rules for its GEMMs and casts: mixprec's
+    run-time modes leave such ops alone.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    plain = (torch.Tensor, torch.nn.Parameter, FakeTensor, *_BUFFER)
+    for value in (*args, *kwargs.values()):
+        for leaf in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(leaf, torch.Tensor) and type(leaf) not in plain:
+                return False
+    return True
+
+
+_BUFFER: tuple[type, ...] = (torch.nn.Buffer,) if hasattr(torch.nn, "Buffer") else ()
