@@ -20,7 +20,7 @@ children in place) and :func:`default_manager`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -318,14 +318,6 @@ class SkipAwareScheduler:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["scheduler"], name)
-
-
-def wrap_schedulers(schedulers: Iterable[Any], scaling: LoopScaling) -> list[SkipAwareScheduler]:
-    """Each scheduler made skip-aware (one already wrapped is returned as it is)."""
-    return [
-        s if isinstance(s, SkipAwareScheduler) else SkipAwareScheduler(s, scaling)
-        for s in schedulers
-    ]
 
 
 class PluginCore:

@@ -68,7 +68,7 @@ class BoostConfig:
             and keep the fastest (if ``min_speedup`` faster than its current one);
             "fused"/"foreach" force one; "off" leaves the optimizer alone.
         compile: ``torch.compile`` the network: "auto" = on CUDA only (on CPU it measured
-            slower, see the README); True forces it.
+            slower, see docs/measurements.md); True forces it.
         compile_backend: the backend for ``torch.compile`` ("inductor", "eager", ...).
         channels_last: "auto" = conv nets are timed both ways on the first batch and the
             faster layout kept; True/False force it.

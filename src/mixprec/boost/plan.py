@@ -219,7 +219,9 @@ def plan_boost(
     elif device.type == "cuda":
         d["compile"] = Decision("compile", True, "rule: on for CUDA")
     else:
-        d["compile"] = Decision("compile", False, "rule: off on CPU, measured slower (see README)")
+        d["compile"] = Decision(
+            "compile", False, "rule: off on CPU, measured slower (see docs/measurements.md)"
+        )
     if d["compile"].on and not hasattr(torch, "compile"):
         warn("boost: torch.compile is unavailable in this torch; compile left off")
         d["compile"] = Decision("compile", False, "torch.compile unavailable")

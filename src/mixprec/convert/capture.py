@@ -34,6 +34,8 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.fx.proxy import TraceError
 
+from mixprec.convert.structure import qualified_name
+
 __all__ = ["Captured", "call_key", "capture", "forward_function", "state_key", "state_keys"]
 
 #: Python values a graph may hold as constants (and a key may compare).
@@ -159,14 +161,15 @@ class _Tracer(fx.Tracer):
         shell = cls.__new__(cls)
         state = dict(module.__dict__)
         state["_parameters"] = {
-            n: None if p is None else self._attr(_join(path, n))
+            n: None if p is None else self._attr(qualified_name(path, n))
             for n, p in module._parameters.items()
         }
         state["_buffers"] = {
-            n: None if b is None else self._attr(_join(path, n)) for n, b in module._buffers.items()
+            n: None if b is None else self._attr(qualified_name(path, n))
+            for n, b in module._buffers.items()
         }
         state["_modules"] = {
-            n: None if c is None else self.shell(c, _join(path, n), calls_record=True)
+            n: None if c is None else self.shell(c, qualified_name(path, n), calls_record=True)
             for n, c in module._modules.items()
         }
         state.pop("forward", None)
@@ -201,10 +204,6 @@ class Rebuild:
 
     def __call__(self, *leaves: Any) -> Any:
         return pytree.tree_unflatten(list(leaves), self.spec)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _placeholders(

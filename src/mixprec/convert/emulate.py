@@ -47,7 +47,12 @@ from torch.overrides import TorchFunctionMode
 
 from mixprec.convert.cast_at_use import ModuleCall
 from mixprec.convert.plan import CastPlan, Conversion
-from mixprec.convert.structure import CONVERSION_ATTR, add_repr_note, conversion_of
+from mixprec.convert.structure import (
+    CONVERSION_ATTR,
+    add_repr_note,
+    conversion_of,
+    set_forward,
+)
 from mixprec.policy.dtypes import dtype_name
 from mixprec.policy.ops import only_plain_tensors
 
@@ -324,6 +329,36 @@ class _Emulation:
             mode, local.mode = local.mode, None
             mode.__exit__(None, None, None)
 
+    def abandon(self) -> None:
+        """Leave the mode now: a call was interrupted by a ``BaseException`` (such as
+        ``KeyboardInterrupt``), for which ``nn.Module`` runs no forward hooks."""
+        local = self._local
+        mode = getattr(local, "mode", None)
+        local.depth, local.mode = 0, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+
+class _Guarded:
+    """The root's ``forward``: leaves the emulation mode when the call is interrupted.
+
+    Picklable (it holds the module and the instance ``forward`` it wraps, if any).
+    """
+
+    def __init__(self, emulation: _Emulation, module: nn.Module, inner: Any) -> None:
+        self.emulation, self.module, self.inner = emulation, module, inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if self.inner is None:
+                return type(self.module).forward(self.module, *args, **kwargs)
+            return self.inner(*args, **kwargs)
+        except Exception:
+            raise
+        except BaseException:
+            self.emulation.abandon()
+            raise
+
 
 @dataclasses.dataclass(frozen=True)
 class EmulatedCastPlan(CastPlan):
@@ -374,6 +409,8 @@ def install_emulation(network: nn.Module, dtype: torch.dtype) -> nn.Module:
             continue
         module.register_forward_pre_hook(emulation.enter, prepend=True)
         module.register_forward_hook(emulation.leave, always_call=True)
+        if module is network:
+            set_forward(module, _Guarded(emulation, module, module.__dict__.get("forward")))
     conversion = conversion_of(network)
     if isinstance(conversion, Conversion):
         plan = _emulated_plan(conversion.plan)

@@ -42,7 +42,7 @@ from mixprec.convert.runtime import (
     standing_aside,
 )
 from mixprec.convert.simplify import simplify
-from mixprec.convert.structure import CONVERSION_ATTR, structural_copy
+from mixprec.convert.structure import CONVERSION_ATTR, qualified_name, structural_copy
 from mixprec.policy import lists, ops
 from mixprec.policy.dtypes import dtype_name, is_castable
 from mixprec.policy.levels import Level, Precision, Recipe
@@ -54,10 +54,6 @@ Scopes = tuple[tuple[str, nn.Module], ...]
 #: Built-in modules whose forward picks a fused fast path from run-time values (eval
 #: mode, no grad, a padding mask): they run their own code so the choice is PyTorch's.
 FAST_PATH_MODULES: tuple[type[nn.Module], ...] = (nn.TransformerEncoder,)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def module_op(module: nn.Module) -> str | None:
@@ -247,13 +243,6 @@ def build_entry(
     return entry
 
 
-def node_scopes(node: fx.Node, module: nn.Module, spec: Spec) -> Scopes:
-    if node.op == "call_module":
-        path = _join(spec.path, str(node.target))
-        return (*spec.scopes, (path, module.get_submodule(str(node.target))))
-    return spec.scopes
-
-
 def decide_nodes(graph: fx.Graph, module: nn.Module, spec: Spec) -> dict[fx.Node, Precision]:
     decisions: dict[fx.Node, Precision] = {}
     for node in graph.nodes:
@@ -261,7 +250,9 @@ def decide_nodes(graph: fx.Graph, module: nn.Module, spec: Spec) -> dict[fx.Node
             decisions[node] = spec.decide(ops.op_key(node.target), spec.scopes)
         elif node.op == "call_module":
             child = module.get_submodule(str(node.target))
-            decisions[node] = spec.child_precision(child, _join(spec.path, str(node.target)))
+            decisions[node] = spec.child_precision(
+                child, qualified_name(spec.path, str(node.target))
+            )
             node.meta["mixprec_op"] = module_op(child)
             node.meta[INPLACE_TAG] = getattr(child, "inplace", False) is True
     return decisions
@@ -302,7 +293,7 @@ class _Converter:
         )
         for name, child in module._modules.items():
             if child is not None:
-                child_path = _join(path, name)
+                child_path = qualified_name(path, name)
                 self.convert(child, child_path, (*scopes, (child_path, child)), None, unit)
         spec = Spec(recipe, path, scopes, output, unit)
         if isinstance(module, FAST_PATH_MODULES) and not unit:
@@ -412,5 +403,5 @@ def unit_weight_rows(module: nn.Module, path: str, recipe: Recipe, inputs: bool)
     for name, tensor in module.named_parameters():
         if is_castable(tensor) and tensor.dtype != recipe.dtype and id(tensor) not in seen:
             seen.add(id(tensor))
-            casts.append((_join(path, name), recipe.dtype))
+            casts.append((qualified_name(path, name), recipe.dtype))
     return PlanRow.make(path, type(module).__name__, recipe.dtype, casts, kind=RowKind.UNIT)

@@ -40,6 +40,7 @@ from mixprec.convert.structure import (
     CONVERSION_ATTR,
     ExtraRepr,
     add_repr_note,
+    qualified_name,
     set_forward,
     set_parameters,
     structural_copy,
@@ -86,10 +87,6 @@ def _precision(recipe: Recipe, module: nn.Module, path: str, parent: Precision) 
     if isinstance(module, (*recipe.black_modules, parametrize.ParametrizationList)):
         return Precision.FP32  # a parametrization's math runs on its float32 original
     return parent
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def convert_module_level(
@@ -151,7 +148,7 @@ def convert_module_level(
             ]
             for name, tensor in owned:
                 if tensor.dtype != low and id(tensor) not in seen_tensors:
-                    cast_here.append(Cast(_join(path, name), low))
+                    cast_here.append(Cast(qualified_name(path, name), low))
                 seen_tensors.add(id(tensor))
             if owned:
                 names = frozenset(name for name, _ in owned)
@@ -175,7 +172,7 @@ def convert_module_level(
             )
         for name, child in module._modules.items():
             if child is not None:
-                visit(child, _join(path, name), precision)
+                visit(child, qualified_name(path, name), precision)
 
     visit(root, prefix, Precision.LOW)
     if output_dtype is not None:

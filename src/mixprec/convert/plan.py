@@ -27,6 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from mixprec._check import require_module
 from mixprec.convert.structure import conversion_of
 from mixprec.policy.dtypes import dtype_name, is_castable
 from mixprec.policy.levels import Recipe
@@ -262,10 +263,7 @@ def explain(network: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> 
         TypeError: if ``network`` is not a module, or the examples do not fit its forward.
         ValueError: if it was not converted by mixprec.
     """
-    if not isinstance(network, nn.Module):
-        raise TypeError(
-            f"network must be a torch.nn.Module; got {type(network).__name__}: {network!r}"
-        )
+    require_module(network)
     conversion = conversion_of(network)
     if not isinstance(conversion, Conversion):
         raise ValueError(

@@ -20,8 +20,9 @@ from torch.fx.proxy import TraceError
 from mixprec.convert.infer import Info, infer
 from mixprec.convert.insert import CAST_TAG, PRECISION_TAG, is_helper
 from mixprec.convert.plan import Cast, PlanRow, RowKind
+from mixprec.convert.structure import qualified_name
 from mixprec.policy import ops
-from mixprec.policy.dtypes import dtype_name, is_castable
+from mixprec.policy.dtypes import dtype_name
 from mixprec.policy.levels import Precision, Recipe
 
 __all__ = ["RowSource", "child_output_info", "reason_in_words"]
@@ -29,10 +30,6 @@ __all__ = ["RowSource", "child_output_info", "reason_in_words"]
 UNKNOWN = Info("unknown")
 OTHER = Info("other")
 _FIRST_INPUT = frozenset(("batch_norm", "instance_norm"))
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def reason_in_words(error: BaseException) -> str:
@@ -145,7 +142,7 @@ class RowSource:
             )
         for name, child in module._modules.items():
             if child is not None:
-                rows += self._rows(child, _join(path, name), None)
+                rows += self._rows(child, qualified_name(path, name), None)
         return rows
 
     def _graph_rows(
@@ -177,7 +174,7 @@ class RowSource:
             if node.op == "call_module":
                 target = str(node.target)
                 child = module.get_submodule(target)
-                where = _join(path, target)
+                where = qualified_name(path, target)
                 if casts[0] or casts[1] or module_op_of(child) is not None:
                     kind = RowKind.MODULE if module_op_of(child) else RowKind.UNIT
                     rows.append(
@@ -212,7 +209,7 @@ def _label(node: Any, path: str) -> str:
     if not isinstance(node, fx.Node):
         return repr(node)
     if node.op in ("get_attr", "call_module"):
-        return _join(path, str(node.target))
+        return qualified_name(path, str(node.target))
     if node.op == "placeholder":
         return str(node.target)
     return node.name
@@ -249,7 +246,3 @@ def _attribute_casts(
         else:
             outputs.append(cast)
     return before, after, outputs
-
-
-def castable_weights(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(n, p) for n, p in module.named_parameters() if is_castable(p)]

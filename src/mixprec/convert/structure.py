@@ -25,6 +25,7 @@ __all__ = [
     "add_repr_note",
     "conversion_of",
     "find_converted",
+    "qualified_name",
     "set_forward",
     "set_parameters",
     "structural_copy",
@@ -111,3 +112,8 @@ def set_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
 def set_parameters(module: nn.Module, table: dict[str, Any]) -> None:
     """Make ``table`` (a dict holding the same Parameters) the module's ``_parameters``."""
     module.__dict__["_parameters"] = table
+
+
+def qualified_name(prefix: str, name: str) -> str:
+    """``prefix.name`` as ``named_modules`` spells it (either part may be empty)."""
+    return f"{prefix}.{name}" if prefix and name else prefix or name

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from mixprec._check import require_module
 from mixprec.fp8.swap import apply_fp8
 from mixprec.policy import lists
 from mixprec.policy.dtypes import dtype_name
@@ -187,8 +188,7 @@ def fully_shard(
 
     from mixprec.distributed.replicas import fsdp_of
 
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    require_module(model, "model")
     if not isinstance(sync_every_micro_batch, bool):
         raise TypeError(f"sync_every_micro_batch must be a bool; got {sync_every_micro_batch!r}")
     if keep_batchnorm_fp32 is not None and not isinstance(keep_batchnorm_fp32, bool):

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from mixprec._check import require_module
 from mixprec.convert.structure import structural_copy
 from mixprec.fp8.linear import Fp8Linear
 from mixprec.fp8.recipes import Fp8Config, Fp8Recipe
@@ -129,8 +130,7 @@ def apply_fp8(
         >>> sum(isinstance(m, Fp8Linear) for m in fp8_model.modules())
         2
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    require_module(model, "model")
     if recipe is None:
         return model
     config = Fp8Config.from_recipe(Fp8Recipe.parse(recipe, "fp8"))

@@ -142,11 +142,6 @@ class Recipe:
         return torch.float32 if self.level is Level.O0 else self.dtype
 
     @property
-    def param_dtype(self) -> torch.dtype:
-        """The stored Parameters' dtype: float32 at every level (cast at use)."""
-        return torch.float32
-
-    @property
     def output_dtype(self) -> torch.dtype | None:
         """float32 for O1-O3; None (as computed) for O0 and the AUTOCAST level."""
         return torch.float32 if self.casts_outputs_to_fp32 else None

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 import torch
 from torch import nn
 
+from mixprec._check import require_module
 from mixprec._warn import warn
 from mixprec.convert.api import check_network, convert
 from mixprec.distributed.replicas import Replicas, ddp_of, find_replicas, fsdp_of, plain
@@ -320,10 +321,7 @@ def build_train_network(
         ...                                    torch.nn.CrossEntropyLoss(), level="O2")
         >>> loss = step(images, labels)
     """
-    if not isinstance(network, nn.Module):
-        raise TypeError(
-            f"network must be a torch.nn.Module; got {type(network).__name__}: {network!r}"
-        )
+    require_module(network)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}: {optimizer!r}"
