@@ -25,6 +25,10 @@ def tiny_with_batches() -> tuple[nn.Module, object]:
     return tiny(), lambda step: (x, labels)
 
 
+def never_called() -> nn.Module:
+    raise AssertionError("the factory ran before --out was checked")
+
+
 def test_fp8_check_trains_every_recipe_and_writes_the_png(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -52,3 +56,28 @@ def test_fp8_check_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "give --input SHAPE" in capsys.readouterr().err
     assert main(["fp8-check", f"{__file__}:tiny", "--input", "8,16", "--recipes", "fp4"]) == 2
     assert "'fp4'" in capsys.readouterr().err
+
+
+def test_fp8_check_refuses_a_bad_out_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["fp8-check", f"{__file__}:never_called", "--input", "8,16"]
+    assert main([*argv, "--out", str(tmp_path / "missing" / "fp8.png")]) == 2
+    assert "no folder" in capsys.readouterr().err
+
+
+def test_fp8_check_shows_progress_only_on_a_terminal() -> None:
+    import io
+
+    from mixprec.cli.fp8_check import check_fp8
+    from mixprec.cli.terminal import ProgressLine
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    x, labels = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    for stream, shown in [(Terminal(), True), (io.StringIO(), False)]:
+        with ProgressLine(stream, interval=0.0) as progress:
+            check_fp8(tiny(), lambda step: (x, labels), [], steps=2, progress=progress)
+        assert ("bf16: step 2/2" in stream.getvalue()) is shown

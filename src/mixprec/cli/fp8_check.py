@@ -34,6 +34,7 @@ from torch import nn
 
 import mixprec
 from mixprec.cli.plan import PlanError, load_factory, parse_input
+from mixprec.cli.terminal import ProgressLine, check_out_file
 from mixprec.fp8 import Fp8Recipe, Fp8StatsRow, fp8_layers, fp8_stats
 from mixprec.policy.hardware import is_native
 
@@ -129,8 +130,10 @@ def check_fp8(
     lr: float = 1e-3,
     fp8_filter: Callable[[nn.Module, str], bool] | None = None,
     top: int = 3,
+    progress: ProgressLine | None = None,
 ) -> list[Fp8Run]:
-    """Train copies of ``model`` in bf16 and in each recipe; the runs, bf16 first."""
+    """Train copies of ``model`` in bf16 and in each recipe; the runs, bf16 first
+    (``progress`` shows the run and step on a terminal)."""
     emulate = not is_native(torch.bfloat16, "cpu")
     runs = []
     for recipe in [None, *recipes]:
@@ -153,7 +156,10 @@ def check_fp8(
         losses: list[float] = []
         worst: tuple[Fp8StatsRow, ...] = ()
         start = time.perf_counter()
+        name = "bf16" if recipe is None else recipe.value
         for i in range(steps):
+            if progress is not None:
+                progress.update(f"{name}: step {i + 1}/{steps}")
             batch = batch_fn(i)
             if i == steps - 1 and layers:
                 with fp8_stats(step) as stats:
@@ -228,6 +234,11 @@ def run_fp8_check(args: argparse.Namespace) -> int:
         recipes = [Fp8Recipe.parse(n, "--recipes") for n in args.recipes.split(",") if n.strip()]
     except ValueError as error:
         raise PlanError(str(error)) from None
+    if str(args.out) != "none":
+        try:
+            check_out_file(Path(args.out))
+        except ValueError as error:
+            raise PlanError(str(error)) from None
     torch.manual_seed(args.seed)
     made = load_factory(args.model)()
     if (
@@ -244,9 +255,17 @@ def run_fp8_check(args: argparse.Namespace) -> int:
             f"{args.model} returned {type(made).__name__}: return a model or (model, batch_fn)"
         )
     fp8_filter = (lambda module, name: True) if args.all_linears else None
-    runs = check_fp8(
-        model, batch_fn, recipes, steps=args.steps, lr=args.lr, fp8_filter=fp8_filter, top=args.top
-    )
+    with ProgressLine() as progress:
+        runs = check_fp8(
+            model,
+            batch_fn,
+            recipes,
+            steps=args.steps,
+            lr=args.lr,
+            fp8_filter=fp8_filter,
+            top=args.top,
+            progress=progress,
+        )
     print(report(runs))
     if str(args.out) != "none":
         plot(runs, args.out)
