@@ -98,7 +98,10 @@ def test_fp16_skips_an_overflow_and_its_schedule_step(accumulation: int, tmp_pat
     trainer = Injecting(model, args, train_dataset=Rows(8 * accumulation), mixprec=fp16())
     trainer.train()
     assert path_dtype(model.transformer, "h.0.mlp.c_fc") == "float16"
-    assert trainer.mixprec.scaling.skipped_steps == 1
+    assert trainer.state.global_step == STEPS  # the Trainer counts a skipped step
+    assert trainer.mixprec.skipped_steps == 1
+    assert trainer.mixprec.overflow is False  # the last step was taken
+    assert trainer.accelerator.optimizer_step_was_skipped is False
     assert trainer.mixprec.scaling.loss_scale == 512.0
     # the linear schedule moved on the STEPS - 1 steps the optimizer took
     assert trainer.lr_scheduler.last_epoch == STEPS - 1
@@ -110,6 +113,90 @@ def test_fp16_skips_an_overflow_and_its_schedule_step(accumulation: int, tmp_pat
     assert all(
         math.isfinite(row["loss"]) and row["loss"] < 10 for i, row in enumerate(logs) if i != 1
     )
+
+
+class Steps(transformers.TrainerCallback):
+    """What the Trainer did at each optimizer step: its count, the skip, the learning rate."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+        self.rows: list[tuple[int, bool, float]] = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        skipped = self.trainer.accelerator.optimizer_step_was_skipped
+        lr = self.trainer.lr_scheduler.get_last_lr()[0]
+        self.rows.append((state.global_step, skipped, lr))
+
+
+class NativeFloat16(transformers.Trainer):
+    """The Trainer's own float16 path: Accelerate's GradScaler (on a CPU, set by hand)."""
+
+    overflow_at: tuple[int, ...] = ()
+
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        loss = super().compute_loss(*args, **kwargs)
+        return loss * math.inf if self.state.global_step in self.overflow_at else loss
+
+
+def applied_updates(trainer: Any) -> int:
+    """The optimizer's own count of the updates it applied (AdamW's ``step``)."""
+    return int(next(iter(trainer.optimizer.state.values()))["step"])
+
+
+def train_recording(trainer: Any, steps: Steps) -> tuple[Any, ...]:
+    steps.trainer = trainer
+    trainer.train()
+    lrs = [row["learning_rate"] for row in trainer.state.log_history if "loss" in row]
+    return steps.rows, lrs, trainer.state.global_step, applied_updates(trainer)
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_skips_are_counted_and_scheduled_as_the_trainers_own_float16(
+    optim: str, tmp_path: Path
+) -> None:
+    # the reference: the Trainer's float16 path with Accelerate's GradScaler, where
+    # Accelerate sees a skip (an optimizer whose step the scaler does not call)
+    kwargs = {"gradient_accumulation_steps": 2, "max_grad_norm": 1.0, "warmup_steps": 1}
+    NativeFloat16.overflow_at = Injecting.overflow_at = (1, 2)
+    steps = Steps()
+    native = NativeFloat16(
+        tiny_gpt2(),
+        arguments(tmp_path / "native", optim="adamw_torch", **kwargs),
+        train_dataset=Rows(16),
+        callbacks=[steps],
+    )
+    native.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    reference = train_recording(native, steps)
+    assert [skipped for _, skipped, _ in reference[0]] == [False, True, True, False]
+    assert reference[2] == STEPS  # global_step counts the skipped steps
+    assert reference[3] == STEPS - 2  # the updates applied
+
+    steps = Steps()
+    ours = Injecting(
+        tiny_gpt2(),
+        arguments(tmp_path / "mixprec", optim=optim, **kwargs),
+        train_dataset=Rows(16),
+        mixprec=fp16(),
+        callbacks=[steps],
+    )
+    assert train_recording(ours, steps) == reference
+    assert ours.mixprec.skipped_steps == 2
+
+
+def test_the_native_path_misses_a_skip_of_a_fused_optimizer(tmp_path: Path) -> None:
+    # what mixprec does not copy: a fused AdamW (the Trainer's default) skips inside its
+    # step, so Accelerate reports no skip and the Trainer moves the schedule on
+    NativeFloat16.overflow_at = (1,)
+    steps = Steps()
+    native = NativeFloat16(
+        tiny_gpt2(), arguments(tmp_path), train_dataset=Rows(), callbacks=[steps]
+    )
+    native.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    rows, _, _, updates = train_recording(native, steps)
+    assert native.args.optim == "adamw_torch_fused"
+    assert not any(skipped for _, skipped, _ in rows)
+    assert updates == STEPS - 1  # the weights were not updated, yet
+    assert native.lr_scheduler.last_epoch == STEPS  # the schedule moved on every step
 
 
 def test_fp16_checkpoint_resumes_bit_identically_and_saves_pretrained(tmp_path: Path) -> None:

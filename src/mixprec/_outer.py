@@ -14,7 +14,9 @@ is the same in all of them, and lives here once:
 
 With no loss-scale manager (bfloat16 by default) every step is a plain optimizer step.
 The framework modules also share :func:`convert_children_` (conversion of a wrapper's
-children in place) and :func:`default_manager`.
+children in place), :func:`default_manager`, :class:`ScalingReport` (what each reports,
+by :class:`mixprec.TrainStep`'s names) and :func:`report_skips` (a skip told to
+Accelerate, whose loops and schedulers ask ``step_was_skipped``).
 """
 
 from __future__ import annotations
@@ -39,9 +41,12 @@ __all__ = [
     "LoopScaling",
     "PluginCore",
     "PrecisionSettings",
+    "ScalingReport",
     "SkipAwareScheduler",
+    "SkipFlag",
     "convert_children_",
     "default_manager",
+    "report_skips",
 ]
 
 _T = TypeVar("_T")
@@ -320,6 +325,37 @@ class SkipAwareScheduler:
         return getattr(self.__dict__["scheduler"], name)
 
 
+class SkipFlag:
+    """Whether the last optimizer step was skipped, read from ``source.overflow`` when
+    asked (so a step decided on the device is not waited for until then).
+
+    Args:
+        source: what reports the overflow: a :class:`LoopScaling` or a :class:`mixprec.TrainStep`.
+    """
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def __bool__(self) -> bool:
+        return bool(self.source.overflow)
+
+    def __repr__(self) -> str:
+        return f"SkipFlag({bool(self)})"
+
+
+def report_skips(optimizer: Any, source: Any) -> bool:
+    """Make an Accelerate ``AcceleratedOptimizer`` report mixprec's skips.
+
+    Accelerate asks ``optimizer.step_was_skipped`` (``accelerator.optimizer_step_was_skipped``,
+    the Hugging Face Trainer's learning-rate step, ``AcceleratedScheduler``); it is only
+    set by Accelerate's own GradScaler. Returns whether ``optimizer`` is one to tell.
+    """
+    if not hasattr(optimizer, "step_was_skipped") or not hasattr(optimizer, "_is_overflow"):
+        return False
+    optimizer._is_overflow = SkipFlag(source)
+    return True
+
+
 class PluginCore:
     """What every framework plugin holds: the validated settings and the loss scaling.
 
@@ -353,3 +389,42 @@ class PluginCore:
             self.scaling = LoopScaling(default_manager(DEFAULT, low))
         self.converted = True
         return convert_children_(module, self.settings)
+
+
+class ScalingReport:
+    """What every framework integration reports, by :class:`mixprec.TrainStep`'s names:
+    ``overflow``, ``skipped_steps``, ``consecutive_overflows``, ``loss_scale`` and
+    ``overflow_module``."""
+
+    core: PluginCore
+
+    @property
+    def scaling(self) -> LoopScaling:
+        """The loss scaling of this integration's loop."""
+        return self.core.scaling
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the last optimizer step was skipped because its gradients overflowed."""
+        return self.scaling.overflow
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because the gradients overflowed."""
+        return self.scaling.skipped_steps
+
+    @property
+    def consecutive_overflows(self) -> int:
+        """Skipped optimizer steps in a row, up to the last one."""
+        return self.scaling.consecutive_overflows
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without loss scaling)."""
+        return self.scaling.loss_scale
+
+    @property
+    def overflow_module(self) -> str | None:
+        """At the last skip, the module owning the first parameter (in the optimizer's
+        order) whose gradient was inf/NaN (None when not known)."""
+        return self.scaling.overflow_module

@@ -12,11 +12,14 @@ does nothing for float16 on a CPU). mixprec fits in three ways:
   takes the callback and adds what loss scaling needs: the loss is scaled before
   backward and unscaled before clipping (``max_grad_norm`` and the logged ``grad_norm``
   see true gradients); at the last micro-batch of ``gradient_accumulation_steps`` an
-  overflow skips the optimizer step and the learning-rate schedule; the scale is saved
+  overflow skips the optimizer step, and Accelerate's ``optimizer_step_was_skipped``
+  says so, so the Trainer leaves the learning-rate schedule where it was and still
+  counts the step in ``global_step``, as its own float16 path does; the scale is saved
   with every checkpoint (``mixprec_scaling.pt``) and restored on resume.
 * :func:`prepare` for an Accelerate loop: checks the Accelerator, prepares the model and
   optimizer, builds :func:`mixprec.build_train_network`'s step and registers it for
-  checkpointing (``accelerator.save_state`` keeps the loss scale).
+  checkpointing (``accelerator.save_state`` keeps the loss scale); a skipped step shows
+  in ``accelerator.optimizer_step_was_skipped`` and a prepared scheduler does not move.
 
 ``save_model``/``save_pretrained`` write the ordinary float32 weights, which
 ``from_pretrained`` loads into an unconverted model.
@@ -33,7 +36,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
-from mixprec._outer import LoopScaling, PluginCore, SkipAwareScheduler
+from mixprec._outer import LoopScaling, PluginCore, ScalingReport, report_skips
 from mixprec._warn import warn
 from mixprec.convert.structure import find_converted
 from mixprec.policy.levels import Level, Pins
@@ -41,7 +44,7 @@ from mixprec.training.build import DEFAULT, build_train_network
 from mixprec.training.scaling import LossScaleManager
 from mixprec.training.step import TrainStep
 
-__all__ = ["MixprecCallback", "MixprecTrainer", "SkipAwareScheduler", "prepare"]
+__all__ = ["MixprecCallback", "MixprecTrainer", "prepare"]
 
 logger = logging.getLogger("mixprec")
 
@@ -49,8 +52,11 @@ logger = logging.getLogger("mixprec")
 STATE_FILE = "mixprec_scaling.pt"
 
 
-class MixprecCallback(TrainerCallback):
+class MixprecCallback(ScalingReport, TrainerCallback):
     """Converts the Trainer's model and logs what mixprec does.
+
+    After each step it reports ``overflow``, ``skipped_steps``, ``loss_scale`` and the
+    other figures of :class:`mixprec.TrainStep`.
 
     Args:
         level / dtype / fp32_modules / low_modules / emulate / declared_fp32: as
@@ -79,11 +85,6 @@ class MixprecCallback(TrainerCallback):
         )
         self.scaled_by_trainer = False
         self.resume_dir: str | None = None
-
-    @property
-    def scaling(self) -> LoopScaling:
-        """The loss scaling (used by :class:`MixprecTrainer`)."""
-        return self.core.scaling
 
     def convert(self, model: nn.Module) -> nn.Module:
         """Convert ``model``'s children in place; returns ``model``."""
@@ -121,9 +122,6 @@ class MixprecCallback(TrainerCallback):
             where = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if where is not None and os.path.isfile(os.path.join(where, STATE_FILE)):
             self.scaling.load_state_dict(torch.load(os.path.join(where, STATE_FILE)))
-        scheduler = kwargs.get("lr_scheduler")
-        if isinstance(scheduler, SkipAwareScheduler):
-            scheduler.seen = self.scaling.steps
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not args.should_save:
@@ -226,13 +224,11 @@ class MixprecTrainer(Trainer):
     def create_scheduler(
         self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
     ) -> Any:
-        scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if not isinstance(
-            scheduler, (SkipAwareScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-        ):
-            wrapped: Any = SkipAwareScheduler(scheduler, self.mixprec.scaling)
-            self.lr_scheduler = wrapped
-        return self.lr_scheduler
+        # called once Accelerate has wrapped the optimizer: from now on a skipped step is
+        # Accelerate's ``optimizer_step_was_skipped``, which keeps the Trainer from
+        # stepping the learning-rate schedule (and the schedule stays the ordinary one)
+        report_skips(self.optimizer, self.mixprec.scaling)
+        return super().create_scheduler(num_training_steps, optimizer)
 
     def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
         result = super().compute_loss(*args, **kwargs)
@@ -292,7 +288,9 @@ def prepare(
     arguments: ``dtype``, ``loss_scale_manager``, ``emulate``, ...), and registers the
     step for checkpointing, so ``accelerator.save_state``/``load_state`` keep the loss
     scale. Call ``step(*inputs, label)`` for each batch: it runs forward, backward,
-    unscale, the overflow check and the optimizer step.
+    unscale, the overflow check and the optimizer step. A skipped step is reported as
+    Accelerate's own are (``accelerator.optimizer_step_was_skipped``, read lazily), so a
+    scheduler prepared here does not move after it; ``step.overflow`` says the same.
 
     Warns when the Accelerator was given a ``mixed_precision``: on top of mixprec it is
     an outer autocast that overrides mixprec's float32 modules, and
@@ -315,5 +313,6 @@ def prepare(
     model, opt, rest = prepared[0], prepared[1], prepared[2:]
     inner = getattr(opt, "optimizer", opt)
     step: TrainStep = build_train_network(model, inner, loss_fn, level, **options)
+    report_skips(opt, step)
     accelerator.register_for_checkpointing(step)
     return (step, *rest)

@@ -34,7 +34,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
-from mixprec._outer import LoopScaling, PluginCore, PrecisionSettings, SkipAwareScheduler
+from mixprec._outer import PluginCore, PrecisionSettings, ScalingReport, SkipAwareScheduler
 from mixprec.policy.levels import Level, Pins
 from mixprec.training.build import DEFAULT
 from mixprec.training.scaling import LossScaleManager
@@ -42,36 +42,13 @@ from mixprec.training.scaling import LossScaleManager
 __all__ = ["FabricMixedPrecision", "MixedPrecision", "SkipAwareScheduler"]
 
 
-class _Shared:
+class _Shared(ScalingReport):
     """The settings and loss scaling both plugins hold (a :class:`PluginCore`)."""
-
-    core: PluginCore
-
-    @property
-    def scaling(self) -> LoopScaling:
-        """The loss scaling of this plugin's loop."""
-        return self.core.scaling
 
     @property
     def settings(self) -> PrecisionSettings:
         """The level, dtype and pins the model is converted with."""
         return self.core.settings
-
-    @property
-    def overflow_module(self) -> str | None:
-        """At the last skip, the module owning the first parameter (in the optimizer's
-        order) whose gradient was inf/NaN."""
-        return self.scaling.overflow_module
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped because the gradients overflowed."""
-        return self.scaling.skipped_steps
-
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale (1.0 without loss scaling)."""
-        return self.scaling.loss_scale
 
     def state_dict(self) -> dict[str, Any]:
         """The loss scale, its counters and the step counts."""
