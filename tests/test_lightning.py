@@ -267,3 +267,87 @@ def test_fabric_scales_unscales_once_and_skips(tmp_path: Path) -> None:
     fabric.load(tmp_path / "state.ckpt", {"precision": other})
     assert other.loss_scale == 512.0
     assert other.skipped_steps == 1
+
+
+class Sharded(Tiny):
+    """Tiny, sharded by mixprec's fully_shard in configure_model (FSDP2 over the mesh)."""
+
+    def __init__(self, poison_rank: int) -> None:
+        super().__init__()
+        self.poison_rank = poison_rank
+
+    def configure_model(self) -> None:
+        from mixprec.distributed import fully_shard
+
+        if not isinstance(self.body, torch.distributed.fsdp.FSDPModule):
+            fully_shard(self.body, "O2", "fp16", mesh=self.device_mesh["data_parallel"])
+            self.body[0].register_forward_hook(lambda m, a, out: self.seen_dtypes.append(out.dtype))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch  # the sharded body runs whole: FSDP2 gathers at its root
+        return self.loss_fn(self.body(x), y)
+
+    def on_after_backward(self) -> None:
+        # an inf in the second step, in one element of one rank's shard only: the ranks
+        # must agree to skip it, or their weights part
+        if self.global_step == 1 and self.global_rank == self.poison_rank:
+            self.body[0].weight.grad.to_local()[0, 0] = math.inf
+
+
+def _model_parallel_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    import os
+    import warnings
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    warnings.simplefilter("ignore")
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    manager = mixprec.DynamicLossScaleManager(2.0**10, scale_window=100)
+    plugin = MixedPrecision("O2", "fp16", loss_scale_manager=manager)
+    model = Sharded(poison_rank=0)
+    t = lightning.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+        plugins=[plugin],
+        max_epochs=1,
+        gradient_clip_val=1e6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    t.fit(model, data())
+    mismatched = MixedPrecision("O2", "bf16")
+    try:
+        mismatched.convert_module(model)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "weights": {k: v.full_tensor() for k, v in model.state_dict().items()},
+        "skipped": plugin.skipped_steps,
+        "global_step": t.global_step,
+        "lr": t.lr_scheduler_configs[0].scheduler.get_last_lr(),
+        "scale": plugin.loss_scale,
+        "seen": model.seen_dtypes,
+        "refused": refused,
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_through_model_parallel_strategy(tmp_path: Path) -> None:
+    from spawn import run
+
+    first, second = run(_model_parallel_rank, tmp_path, str(tmp_path), bound=120.0)
+    assert first["skipped"] == second["skipped"] == 1  # both skipped what rank 0 saw
+    assert first["scale"] == second["scale"] == 512.0
+    assert first["global_step"] == second["global_step"] == BATCHES // 2 - 1
+    assert first["lr"] == second["lr"] == [LR * 0.5 ** (BATCHES // 2 - 1)]
+    assert set(first["seen"]) == {torch.float16}  # FSDP2 gathers the Linear in float16
+    for k, v in first["weights"].items():
+        assert v.dtype == torch.float32
+        assert torch.equal(v, second["weights"][k])
+    assert "sharded at level 'O2'" in first["refused"]

@@ -32,9 +32,13 @@ from mixprec import unscale_
 from mixprec.convert.api import check_emulate, convert
 from mixprec.convert.declared import with_declared_pins
 from mixprec.convert.structure import find_converted
+from mixprec.distributed.replicas import fsdp_of
+from mixprec.distributed.shard import check_sharded_step
+from mixprec.distributed.step import local_shard
 from mixprec.policy.dtypes import resolve_dtype
 from mixprec.policy.levels import Level, ModulePin, Pins, Recipe, resolve
 from mixprec.training.build import DEFAULT
+from mixprec.training.grads import _inverse_scale, _unscale_grads
 from mixprec.training.scaling import DynamicLossScaleManager, LossScaleManager
 
 __all__ = [
@@ -136,7 +140,26 @@ def convert_children_(module: nn.Module, settings: PrecisionSettings) -> nn.Modu
     converted versions, which share their Parameters. Pins name modules from the
     wrapper, and so do the modules the wrapper declares float32. Children without
     parameters (losses, metrics) are left as they are.
+
+    A module sharded by :func:`mixprec.distributed.fully_shard` (FSDP2, in a Lightning
+    ``configure_model``) is not converted: FSDP2 casts it as its level says, which must
+    be this plugin's.
+
+    Raises:
+        ValueError: a sharded module whose level or dtype differs from the plugin's, or
+            sharded by torch's ``fully_shard`` above O0; pins or ``emulate=True`` under FSDP2.
     """
+    sharded = fsdp_of(module)
+    if sharded is not None:
+        own = resolve(sharded, settings.level, settings.dtype, argument="level")
+        check_sharded_step(
+            sharded,
+            own.level,
+            None if own.level is Level.O0 else own.dtype,
+            emulate=settings.emulate,
+            options={"fp32_modules": settings.fp32_modules, "low_modules": settings.low_modules},
+        )
+        return module
     recipe = settings.recipe(module)
     if recipe.level is Level.O0:
         return module
@@ -219,8 +242,25 @@ class LoopScaling:
             if self.manager is None:
                 self._found[key] = torch.tensor(False)
             else:
-                self._found[key] = unscale_(optimizer, self.loss_scale)
+                self._found[key] = self._unscale(optimizer)
         return self._found[key]
+
+    def _unscale(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        grads = [p.grad for p in _params(optimizer) if p.grad is not None]
+        mesh = next((g.device_mesh for g in grads if hasattr(g, "device_mesh")), None)
+        if mesh is None:
+            return unscale_(optimizer, self.loss_scale)
+        # FSDP2: each rank unscales and checks its own shards; the ranks of the mesh
+        # agree, so one rank's inf skips the step everywhere
+        import torch.distributed as dist
+
+        local = [local_shard(g) for g in grads]
+        device = local[0].device
+        scale = torch.tensor(self.loss_scale, dtype=torch.float64, device=device)
+        found = _unscale_grads(local, _inverse_scale(scale))
+        for dim in range(mesh.ndim):
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        return found > 0
 
     def step(
         self,
@@ -294,8 +334,8 @@ def _first_non_finite(optimizer: torch.optim.Optimizer, model: nn.Module | None)
     names: dict[torch.Tensor, str] = {}
     if model is not None:
         names = {p: n for n, p in model.named_parameters()}
-    for p in _params(optimizer):
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+    for p in _params(optimizer):  # under FSDP2, this rank's shards
+        if p.grad is not None and not bool(torch.isfinite(local_shard(p.grad)).all()):
             name = names.get(p)
             return None if name is None else name.rpartition(".")[0] or name
     return None

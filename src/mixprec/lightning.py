@@ -159,7 +159,9 @@ class MixedPrecision(_Shared, Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip the unscaled gradients; the norm before clipping is logged."""
         params = list(self.main_params(optimizer))
-        self.scaling.grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_val)
+        norm = torch.nn.utils.clip_grad_norm_(params, clip_val)
+        full = getattr(norm, "full_tensor", None)  # FSDP2: the norm of every rank's shards
+        self.scaling.grad_norm = norm if full is None else full()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
