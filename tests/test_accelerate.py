@@ -74,3 +74,32 @@ def test_warns_where_accelerate_mixed_precision_stacks_or_does_nothing() -> None
     model, optimizer, _ = parts()
     with pytest.warns(UserWarning, match="does nothing at all"):
         prepare(accelerator, model, optimizer, loss_fn=nn.MSELoss(), dtype="bf16", emulate=True)
+
+
+def test_a_skip_is_reported_as_accelerate_reports_its_own() -> None:
+    # Accelerate's loops ask optimizer_step_was_skipped (its GradScaler sets it); a scheduler
+    # prepared with the optimizer does not move after a skipped step
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, optimizer, loader = parts()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    manager = mixprec.DynamicLossScaleManager(2.0**10, scale_window=100)
+    step, loader, scheduler = prepare(
+        accelerator,
+        model,
+        optimizer,
+        loader,
+        scheduler,
+        loss_fn=nn.MSELoss(),
+        dtype="fp16",
+        loss_scale_manager=manager,
+        emulate=True,
+    )
+    assert isinstance(scheduler, accelerate.scheduler.AcceleratedScheduler)
+    seen = []
+    for i, (x, y) in enumerate(loader):
+        step(x * math.inf if i == 1 else x, y)
+        seen.append((step.overflow, accelerator.optimizer_step_was_skipped))
+        scheduler.step()
+    assert seen == [(False, False), (True, True), (False, False), (False, False)]
+    assert scheduler.get_last_lr() == [0.1 * 0.5**3]  # three steps taken, three moves
+    assert step.skipped_steps == 1

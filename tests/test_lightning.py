@@ -106,6 +106,7 @@ def test_trains_in_the_level_and_skips_an_overflow(dtype: str, tmp_path: Path) -
     low = mixprec.policy.dtypes.resolve_dtype(dtype)
     assert set(model.seen_dtypes) == {low}  # the LightningModule's children converted in place
     assert plugin.skipped_steps == 1
+    assert plugin.overflow is False  # the last step was taken
     assert t.global_step == BATCHES - 1  # the skipped step is not an optimizer step
     scheduler = t.lr_scheduler_configs[0].scheduler
     assert scheduler.get_last_lr() == [LR * 0.5 ** (BATCHES - 1)]  # nor a schedule step
@@ -244,7 +245,7 @@ def test_fabric_scales_unscales_once_and_skips(tmp_path: Path) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     scheduler = plugin.skip_aware(torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5))
     model, optimizer = fabric.setup(model, optimizer)
-    norms = []
+    norms, overflows = [], []
     for i, (x, y) in enumerate(data()):
         loss = nn.functional.mse_loss(model(x), y)
         fabric.backward(loss * math.inf if i == 1 else loss)
@@ -253,8 +254,10 @@ def test_fabric_scales_unscales_once_and_skips(tmp_path: Path) -> None:
         again = float(fabric.clip_gradients(model, optimizer, **clip))
         assert again == pytest.approx(norms[-1], nan_ok=True)  # unscaled once, not twice
         optimizer.step()
+        overflows.append(plugin.overflow)  # as a TrainStep reports it
         scheduler.step()
         optimizer.zero_grad()
+    assert overflows == [False, True, False, False]
     rows = mixprec.explain(model.module[0]).to_dict()["rows"]
     assert rows[0]["dtype"] == "float16"  # each child is converted in place
     assert plugin.skipped_steps == 1
