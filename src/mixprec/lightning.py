@@ -16,7 +16,10 @@
   the module's logger; the module whose gradient overflowed is in ``overflow_module``.
 
 Under ``strategy="ddp"`` the gradients are reduced before the check, so every rank
-skips the same steps.
+skips the same steps. Under ``ModelParallelStrategy`` shard the model with
+:func:`mixprec.distributed.fully_shard` in ``configure_model`` (at the plugin's level and
+dtype): the plugin leaves it to FSDP2 to cast, and the ranks agree on an overflow found
+in any rank's shards.
 
 Example:
     >>> trainer = lightning.Trainer(plugins=[MixedPrecision("O2", "bf16")], max_steps=10)
