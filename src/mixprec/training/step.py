@@ -424,6 +424,32 @@ class TrainStep(nn.Module):
         assert state is not None
         return state.scale
 
+    # ------------------------------------------------------------------ a backward run elsewhere
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the next optimizer step's loss scale (a device tensor, no sync), for
+        a backward the caller runs itself (a pipeline schedule,
+        :mod:`mixprec.distributed.pipeline`); the loss itself without a manager and on the
+        first step of an automatic scale. Then call :meth:`step_gradients`."""
+        scale = self._scale_tensor(loss.device)
+        return loss if scale is None else loss * scale
+
+    def step_gradients(self) -> None:
+        """The optimizer step on the gradients a caller's own backward of a
+        :meth:`scale_loss` loss left on the Parameters: what a call does after its backward
+        (unscale, agree with the other ranks, clip, step or skip, update the scale).
+
+        Raises:
+            RuntimeError: in the middle of an accumulation of calls.
+        """
+        if self._micro_step:
+            raise RuntimeError(
+                f"step_gradients() in the middle of gradient accumulation ({self._micro_step} "
+                f"of {self.config.accumulation_steps} micro-batches done by calls)"
+            )
+        if self.masters is not None:
+            self.masters.collect_grads()
+        self._step()
+
     def _abandon(self) -> None:
         """Drop every gradient of an abandoned step (and its accumulation)."""
         self._micro_step = 0
