@@ -300,6 +300,52 @@ def _local_decisions(rank: int) -> dict[str, Any]:
     return out
 
 
+def _group_states(rank: int, world: int) -> dict[str, Any]:
+    """GroupLossScaleManager under DDP: every group's state is compared (the second of
+    three differs); under step.join() a joined rank answers the per-group flags."""
+
+    def build(accumulation_steps: int = 1) -> tuple[nn.Module, amp.TrainStep]:
+        model = _model()
+        step = amp.build_train_network(
+            nn.parallel.DistributedDataParallel(model),
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            nn.CrossEntropyLoss(),
+            "O2",
+            dtype="bf16",
+            loss_scale_manager=amp.GroupLossScaleManager(1024, [["0"], ["1"], ["3"]], 2, 100),
+            accumulation_steps=accumulation_steps,
+        )
+        return model, step
+
+    model, step = build()
+    if rank == 1:
+        state = step.state_dict()
+        state["_extra_state"]["loss_scale_manager"]["loss_scales"] = torch.tensor(
+            [1024.0, 512.0, 1024.0]
+        )
+        step.load_state_dict(state)
+    before = _flat(model)
+    generator = torch.Generator().manual_seed(700 + rank)
+    differ = _error(lambda: step(*_batch(generator)))
+    unchanged = torch.equal(before, _flat(model))
+    model, step = build(accumulation_steps=2)
+    with step.join():
+        for i in range(6 if rank == 0 else 3):
+            x, y = _batch(generator)
+            if i == 4:
+                x[0, 0] = float("nan")  # rank 0 alone, after rank 1 ran out
+            step(x, y)
+    manager = step.loss_scale_manager
+    assert isinstance(manager, amp.GroupLossScaleManager)
+    return {
+        "differ": differ,
+        "unchanged": unchanged,
+        "scales": manager.get_loss_scales(),
+        "skipped": step.skipped_steps,
+        "params": _flat(model),
+    }
+
+
 def _budget(rank: int, world: int) -> dict[str, Any]:
     """Per optimizer step under DDP: DDP's gradient all-reduces (a counting comm hook), the
     collectives called from mixprec's code, and its host reads (Tensor -> Python)."""
@@ -377,6 +423,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         ("wrapper", _wrapper),
         ("checkpoint", _checkpoint),
         ("agreement", _agreement),
+        ("groups", _group_states),
         ("budget", _budget),
     ):
         out[name] = fn(rank, world)
@@ -501,6 +548,23 @@ def test_ranks_that_disagree_fail_together_naming_ranks_and_values(
         assert groups in result["groups"], result["groups"]
         assert "rank 1: {'loss_scales': [2048.0, 2048.0]" in result["groups"]
         assert result["kernels"] == [(None, None)]  # rank 0's choice: the default
+
+
+def test_every_group_scale_is_compared_and_joined_ranks_answer_the_groups(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for r in ranks:
+        result = r["groups"]
+        assert result["differ"].startswith(
+            "mixprec: the ranks disagree on the loss-scale state on loss_scales: "
+            "rank 0: [1024.0, 1024.0, 1024.0], rank 1: [1024.0, 512.0, 1024.0]. "
+        ), result["differ"]
+        assert result["unchanged"]
+    # the NaN reaches every group; the culprit is the one nearest the loss: it backs off
+    a, b = (r["groups"] for r in ranks)
+    assert a["scales"] == b["scales"] == [1024.0, 1024.0, 512.0]
+    assert a["skipped"] == b["skipped"] == 1
+    assert _same(a["params"], b["params"])
 
 
 def test_ddp_steps_send_nothing_of_their_own_and_read_the_host_once(

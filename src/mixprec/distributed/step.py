@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from mixprec.distributed.join import StepJoinHook
-from mixprec.distributed.replicas import Replicas, disagreement
+from mixprec.distributed.replicas import Replicas, disagreement, plain
 from mixprec.distributed.shard import sharded_level
 
 __all__ = ["Agreement", "local_shard", "without_ddp_prefix"]
@@ -178,14 +178,14 @@ class Agreement(Joinable):
         self,
         found: torch.Tensor,
         chosen: torch.Tensor | None,
-        state: Any,
+        manager: Any,
         check: bool,
         *,
         interval: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The agreed overflow flag (zero when ``check`` is False) and first scale; ranks
-        whose loss-scale states (``state``, a :class:`~mixprec.training.scale_state.ScaleState`
-        or None) differ all skip.
+        whose loss-scale states (every state of ``manager``, a
+        :class:`~mixprec.LossScaleManager` or None) differ all skip.
 
         Under DDP (outside ``step.join()``) the gradients are already all-reduced: any rank's
         inf/NaN is in every rank's, so ``found`` and ``chosen`` are already the same on every
@@ -197,7 +197,8 @@ class Agreement(Joinable):
         self._agreed_steps += 1
         if self.by_gradients and not due:
             return (found if check else torch.zeros_like(found)), chosen
-        found, chosen, disagree = self.replicas.agree_step(found, chosen, state)
+        states = [] if manager is None else manager.device_states()
+        found, chosen, disagree = self.replicas.agree_step(found, chosen, states)
         self._disagree = torch.maximum(self._disagree.to(disagree.device), disagree)
         return (torch.maximum(found, disagree) if check else torch.zeros_like(found)), chosen
 
@@ -208,7 +209,7 @@ class Agreement(Joinable):
         ranks learn the others' overflows from the agreement all-reduce)."""
         return self.replicas.ddp is not None and not self._join_config.enable
 
-    def check(self, state: Any, *, skipped: bool | None, interval: int) -> None:
+    def check(self, manager: Any, *, skipped: bool | None, interval: int) -> None:
         """Raise once the ranks' loss-scale states have differed. A difference makes every
         rank skip, so a step known to be applied (``skipped`` False) reads nothing more
         from the host; one known skipped reads the flag; one decided on the device (None)
@@ -219,15 +220,7 @@ class Agreement(Joinable):
             return
         if not self._disagree.item():
             return
-        facts = (
-            {}
-            if state is None
-            else {
-                "loss_scale": float(state.scale),
-                "good_steps": int(state.good_steps),
-                "bad_steps": int(state.bad_steps),
-            }
-        )
+        facts = {} if manager is None else plain(manager.state_dict())
         message = disagreement(
             self.replicas.gather(facts),
             "on the loss-scale state",

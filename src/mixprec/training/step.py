@@ -485,15 +485,15 @@ class TrainStep(nn.Module):
             if manager is None:
                 found = _unscale_grads(local, inverse)
             else:
+                # a policy's own per-part flags (a group's boundary) are each rank's even
+                # under DDP: agreed whenever there are ranks (other policies send nothing)
                 replicas = self.agreement.replicas
-                by_gradients = self.agreement.by_gradients  # DDP: already the same everywhere
-                active = replicas.active and not by_gradients
-                agree = replicas.all_reduce_max if active else None
+                agree = replicas.all_reduce_max if replicas.active else None
                 found = manager.unscale_step(params, local, inverse, agree)
             if self._warming_up and state is not None and state.dynamic:
                 chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
             found, chosen = self.agreement.agree(
-                found, chosen, state, check, interval=self.LIMIT_CHECK_INTERVAL
+                found, chosen, manager, check, interval=self.LIMIT_CHECK_INTERVAL
             )
             mark_unscaled(grads, found)
             self.found_inf = found
@@ -512,7 +512,7 @@ class TrainStep(nn.Module):
                 applied = None if on_device else not self._ledger.read_now()[0]  # the one sync
             interval = self.LIMIT_CHECK_INTERVAL
             skipped = None if applied is None else not applied
-            self.agreement.check(state, skipped=skipped, interval=interval)
+            self.agreement.check(manager, skipped=skipped, interval=interval)
             if applied is not False:
                 norm = self._total_norm(grads)
                 if self.config.clip_grad_norm is not None:
@@ -634,8 +634,10 @@ class TrainStep(nn.Module):
         warm = self._warming_up and state is not None and state.dynamic
         chosen = torch.full_like(nothing, math.inf) if warm else None
         try:
+            if manager is not None:  # answer the others' per-part flags with none of its own
+                manager.unscale_step([], [], nothing + 1, self.agreement.replicas.all_reduce_max)
             found, chosen = self.agreement.agree(
-                nothing, chosen, state, check, interval=self.LIMIT_CHECK_INTERVAL
+                nothing, chosen, manager, check, interval=self.LIMIT_CHECK_INTERVAL
             )
             if check:
                 self._ledger.update(found)
