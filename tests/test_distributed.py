@@ -297,7 +297,44 @@ def _local_decisions(rank: int) -> dict[str, Any]:
     finally:
         plan.time_optimizer_impls = timed
     out["kernels"] = [(g["fused"], g["foreach"]) for g in step.optimizer.param_groups]
+    out.update(_layouts(rank))
     return out
+
+
+def _layouts(rank: int) -> dict[str, Any]:
+    """Boost's channels_last: configured differently, refused at build; timed at the first
+    call (faster on rank 0 only here), rank 0's choice on every rank."""
+    import mixprec.boost.plan as plan
+
+    def build(**config: Any) -> tuple[nn.Module, amp.TrainStep]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 4))
+        step = amp.build_train_network(
+            nn.parallel.DistributedDataParallel(model),
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            nn.CrossEntropyLoss(),
+            boost_level="O1",
+            boost_config={"compile": False, "optimizer": "off", **config},
+        )
+        return model, step
+
+    configured = _error(lambda: build(channels_last=rank == 0))
+    timed = plan.time_layouts
+    plan.time_layouts = lambda network, args: (2.0, 1.0) if rank == 0 else (1.0, 2.0)  # type: ignore[assignment]
+    try:
+        model, step = build()
+        step(torch.randn(2, 3, 6, 6), torch.tensor([0, 1]))
+    finally:
+        plan.time_layouts = timed
+    assert step.boost is not None
+    layout = step.boost.decisions["channels_last"]
+    weight = model[0].weight
+    return {
+        "layout_configured": configured,
+        "layout": (layout.on, layout.why),
+        "channels_last": weight.is_contiguous(memory_format=torch.channels_last),
+        "layout_params": _flat(model),
+    }
 
 
 def _group_states(rank: int, world: int) -> dict[str, Any]:
@@ -548,6 +585,15 @@ def test_ranks_that_disagree_fail_together_naming_ranks_and_values(
         assert groups in result["groups"], result["groups"]
         assert "rank 1: {'loss_scales': [2048.0, 2048.0]" in result["groups"]
         assert result["kernels"] == [(None, None)]  # rank 0's choice: the default
+        layout = when + "boost channels_last: rank 0: True, rank 1: False"
+        assert result["layout_configured"].startswith(layout), result["layout_configured"]
+        assert result["layout"] == (
+            True,
+            "the first rank's choice: measured 2.00x on the first batch",
+        )
+        assert result["channels_last"]
+    a, b = (r["agreement"]["layout_params"] for r in ranks)
+    assert _same(a, b)
 
 
 def test_every_group_scale_is_compared_and_joined_ranks_answer_the_groups(
