@@ -103,39 +103,36 @@ def _accumulate(rank: int, world: int, static_graph: bool = False) -> dict[str, 
 
 
 def _join(rank: int, world: int) -> dict[str, Any]:
-    """Rank 0 holds 6 micro-batches, rank 1 three; rank 0 overflows after rank 1 joined."""
-    model = _model()
-    ddp = nn.parallel.DistributedDataParallel(model)
-    step = amp.build_train_network(
-        ddp,
-        torch.optim.SGD(model.parameters(), lr=0.05),
-        nn.CrossEntropyLoss(),
-        "O2",
-        dtype="bf16",
-        loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 2),
-        accumulation_steps=2,
-    )
-    generator = torch.Generator().manual_seed(300 + rank)
-    plain_join = _error(lambda: _one_call_in(ddp.join(), step, generator))
-    with step.join():
-        for i in range(6 if rank == 0 else 3):
-            x, y = _batch(generator)
-            if i == 4:
-                x[0, 0] = float("nan")
-            step(x, y)
-    return {
-        "plain_join": plain_join,
-        "params": _flat(model),
-        "scale": step.loss_scale,
-        "skipped": step.skipped_steps,
-        "optimizer_steps": step.optimizer_steps,
-        "wrapper_untouched": ddp.module is model,
-    }
-
-
-def _one_call_in(context: Any, step: amp.TrainStep, generator: torch.Generator) -> None:
-    with context:
-        step(*_batch(generator))
+    """Rank 0 holds 6 micro-batches, rank 1 three; rank 0 overflows after rank 1 joined.
+    Once in DDP's own ``ddp.join()``, once in ``step.join()``."""
+    out: dict[str, Any] = {}
+    for idiom in ("ddp", "step"):
+        model = _model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        step = amp.build_train_network(
+            ddp,
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            nn.CrossEntropyLoss(),
+            "O2",
+            dtype="bf16",
+            loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 2),
+            accumulation_steps=2,
+        )
+        generator = torch.Generator().manual_seed(300 + rank)
+        with ddp.join() if idiom == "ddp" else step.join():
+            for i in range(6 if rank == 0 else 3):
+                x, y = _batch(generator)
+                if i == 4:
+                    x[0, 0] = float("nan")
+                step(x, y)
+        out[idiom] = {
+            "params": _flat(model),
+            "scale": step.loss_scale,
+            "skipped": step.skipped_steps,
+            "optimizer_steps": step.optimizer_steps,
+            "wrapper_untouched": ddp.module is model,
+        }
+    return out
 
 
 def _wrapper(rank: int, world: int) -> dict[str, Any]:
@@ -515,10 +512,12 @@ def test_static_graph_ddp_accumulates(ranks: list[dict[str, Any]]) -> None:
     torch.testing.assert_close(rank0["params"], rank0["reference"], rtol=1e-5, atol=1e-6)
 
 
-def test_step_join_handles_uneven_inputs(ranks: list[dict[str, Any]]) -> None:
-    rank0, rank1 = (r["join"] for r in ranks)
+@pytest.mark.parametrize("idiom", ["ddp", "step"])
+def test_ddp_join_and_step_join_handle_uneven_inputs(
+    ranks: list[dict[str, Any]], idiom: str
+) -> None:
+    rank0, rank1 = (r["join"][idiom] for r in ranks)
     for r in (rank0, rank1):
-        assert "Use `with step.join():` instead" in r["plain_join"]
         assert r["wrapper_untouched"]
     assert _same(rank0["params"], rank1["params"])
     # optimizer steps 1 and 2 clean (the scale grows after 2), step 3 overflows on rank 0
@@ -526,6 +525,8 @@ def test_step_join_handles_uneven_inputs(ranks: list[dict[str, Any]]) -> None:
     assert rank0["scale"] == rank1["scale"] == 1024.0
     assert rank0["skipped"] == rank1["skipped"] == 1
     assert rank0["optimizer_steps"] == rank1["optimizer_steps"] == 3
+    # both idioms train alike
+    assert _same(rank0["params"], ranks[0]["join"]["step"]["params"])
 
 
 def test_users_wrapper_is_left_alone_and_each_build_runs_its_level(

@@ -361,7 +361,6 @@ class TrainStep(nn.Module):
     # ------------------------------------------------------------------ the step
     def forward(self, *inputs: Any, **kwargs: Any) -> torch.Tensor:
         """Run one micro-batch; returns its unscaled float32 loss (detached)."""
-        self.agreement.check_join()
         last = self._micro_step + 1 == self.config.accumulation_steps
         try:
             if self.boost is not None:
@@ -603,8 +602,8 @@ class TrainStep(nn.Module):
     def join(self, *, enable: bool = True, throw_on_early_termination: bool = False) -> Any:
         """A ``torch.distributed`` ``Join`` context for uneven inputs across ranks.
 
-        Under DDP it joins the wrapper and the step (``Join([ddp, step.agreement])``); use
-        it where you would use ``ddp.join()``.
+        Under DDP it is the wrapper's own ``ddp.join()``, which joins the step too (either
+        spelling works); without DDP, ``Join([step.agreement])``.
 
         Example:
             >>> with step.join():
