@@ -135,6 +135,33 @@ def _join(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _join_mismatch(rank: int, world: int) -> dict[str, Any]:
+    """A fused optimizer (skips decided on the device) in ddp.join(): rank 0's scale is
+    changed after rank 1 ran out; both ranks raise, the joined one from its hook."""
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    manager = amp.DynamicLossScaleManager(1024, 2, 100)
+    step = amp.build_train_network(
+        ddp,
+        torch.optim.SGD(model.parameters(), lr=0.05, fused=True),
+        nn.CrossEntropyLoss(),
+        "O2",
+        dtype="bf16",
+        loss_scale_manager=manager,
+    )
+    step.LIMIT_CHECK_INTERVAL = 1  # the states compared on every step
+    generator = torch.Generator().manual_seed(350 + rank)
+
+    def loop() -> None:
+        with ddp.join():
+            for i in range(5 if rank == 0 else 2):
+                if i == 3:  # rank 0 alone, as if it alone had loaded a checkpoint
+                    manager.load_state_dict({**manager.state_dict(), "loss_scale": 8.0})
+                step(*_batch(generator))
+
+    return {"error": _error(loop)}
+
+
 def _wrapper(rank: int, world: int) -> dict[str, Any]:
     model = _model()
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -454,6 +481,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         ("accumulate", _accumulate),
         ("static_graph", lambda r, w: _accumulate(r, w, static_graph=True)),
         ("join", _join),
+        ("join_mismatch", _join_mismatch),
         ("wrapper", _wrapper),
         ("checkpoint", _checkpoint),
         ("agreement", _agreement),
@@ -527,6 +555,16 @@ def test_ddp_join_and_step_join_handle_uneven_inputs(
     assert rank0["optimizer_steps"] == rank1["optimizer_steps"] == 3
     # both idioms train alike
     assert _same(rank0["params"], ranks[0]["join"]["step"]["params"])
+
+
+def test_a_joined_rank_raises_with_the_others_on_a_state_mismatch(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for r in ranks:
+        assert r["join_mismatch"]["error"].startswith(
+            "mixprec: the ranks disagree on the loss-scale state on loss_scale: "
+            "rank 0: 8.0, rank 1: 1024.0"
+        ), r["join_mismatch"]["error"]
 
 
 def test_users_wrapper_is_left_alone_and_each_build_runs_its_level(

@@ -498,13 +498,7 @@ class TrainStep(nn.Module):
             self.found_inf = found
             if self.hooks.after_unscale is not None:
                 self.hooks.after_unscale(self, params)
-            on_device = (
-                check
-                and (manager is None or state is not None)
-                and not self.hooks.need_host_decision
-                and self._debugger is None
-                and _fused_skip_ready(self.optimizer)
-            )
+            on_device = self._decides_on_device(check, manager, state)
             applied: bool | None = True  # without a check, every step is applied
             if check:
                 self._ledger.update(found)
@@ -543,6 +537,16 @@ class TrainStep(nn.Module):
             self.optimizer.zero_grad(set_to_none=True)
         if check:
             self._check_limits(known=applied is not None)
+
+    def _decides_on_device(self, check: bool, manager: Any, state: Any) -> bool:
+        """Whether the skip is the fused optimizer's, on the device (no host read)."""
+        return (
+            check
+            and (manager is None or state is not None)
+            and not self.hooks.need_host_decision
+            and self._debugger is None
+            and _fused_skip_ready(self.optimizer)
+        )
 
     def _optimizer_step(self, found_inf: torch.Tensor | None) -> None:
         if found_inf is None:
@@ -640,6 +644,10 @@ class TrainStep(nn.Module):
             )
             if check:
                 self._ledger.update(found)
+            # the others raise together when the states differed: so does a joined rank
+            on_device = self._decides_on_device(check, manager, state)
+            skipped = None if on_device else check
+            self.agreement.check(manager, skipped=skipped, interval=self.LIMIT_CHECK_INTERVAL)
             self._update_scale(manager, state, found, chosen)
         finally:
             self.optimizer_steps += 1
