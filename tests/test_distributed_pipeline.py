@@ -49,8 +49,9 @@ def _call(step: Any, stage: int, x: torch.Tensor, y: torch.Tensor) -> Any:
     return step(x) if stage == 0 else step(target=y)
 
 
-def _float32(rank: int, world: int) -> dict[str, Any]:
-    """O0 under GPipe against one process training the whole model on the same batches."""
+def _float32(rank: int, world: int, clip: float | None = None) -> dict[str, Any]:
+    """O0 under GPipe against one process training the whole model on the same batches
+    (with ``clip``: clipped by the whole model's gradient norm)."""
     model = _model()
     part = _part(model, rank)
     step = pipeline_step(
@@ -60,6 +61,7 @@ def _float32(rank: int, world: int) -> dict[str, Any]:
         stage_index=rank,
         num_stages=world,
         n_microbatches=4,
+        clip_grad_norm=clip,
     )
     losses = [_call(step, rank, x, y) for x, y in _batches(3)]
     reference = _model()
@@ -70,6 +72,9 @@ def _float32(rank: int, world: int) -> dict[str, Any]:
         expected.append(loss.detach())
         optimizer.zero_grad()
         loss.backward()
+        if clip is not None:
+            norm = nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            assert norm > 2 * clip  # the clip bites
         optimizer.step()
     return {
         "params": _flat(part),
@@ -182,6 +187,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, fn in (
         ("float32", _float32),
+        ("clipped", lambda r, w: _float32(r, w, clip=0.05)),
         ("float16", _float16),
         ("first_scale", _first_scale),
         ("disagree", _disagree),
@@ -202,6 +208,12 @@ def test_float32_pipeline_matches_one_process(stages: list[dict[str, Any]]) -> N
     last = stages[1]["float32"]
     assert stages[0]["float32"]["losses"] == [None, None, None]  # only the last stage has it
     torch.testing.assert_close(torch.stack(last["losses"]), torch.stack(last["expected"]))
+
+
+def test_clipping_uses_the_whole_models_norm(stages: list[dict[str, Any]]) -> None:
+    for r in stages:
+        torch.testing.assert_close(r["clipped"]["params"], r["clipped"]["reference"])
+        assert not torch.equal(r["clipped"]["params"], r["float32"]["params"])
 
 
 def test_both_stages_skip_a_planted_overflow_and_halve_the_scale(

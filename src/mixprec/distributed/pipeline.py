@@ -13,7 +13,8 @@ per schedule step over ``n_microbatches`` micro-batches, with
   (every group of a :class:`~mixprec.GroupLossScaleManager`) ride in the same all-reduce
   and are compared, so every stage unscales by the same scale and updates it alike (a
   difference skips on every stage and raises on every stage, naming each stage's value);
-* an fp16 first scale chosen from the first step's gradients, the smallest any stage chose.
+* an fp16 first scale chosen from the first step's gradients, the smallest any stage chose;
+* clipping by the norm of the whole model's gradients (over every stage's).
 
 The stage's Parameters stay float32 and are cast at use (as under DDP): torch's stage
 divides their gradients by the number of micro-batches, and sends activations (and their
@@ -29,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +67,28 @@ def _schedule_class(schedule: object) -> type:
             f"per process (ScheduleGPipe, Schedule1F1B); got {schedule!r}"
         )
     return schedule
+
+
+class _ClipAcross:
+    """Clip every stage's gradients by the norm over all stages (the ``after_unscale``
+    seam: every stage runs it on every optimizer step, before the optimizer step)."""
+
+    def __init__(self, max_norm: float, group: Any) -> None:
+        number = not isinstance(max_norm, bool) and isinstance(max_norm, (int, float))
+        if not number or not math.isfinite(max_norm) or max_norm <= 0:
+            raise ValueError(
+                f"clip_grad_norm must be a positive finite number or None; got {max_norm!r}"
+            )
+        self.max_norm = float(max_norm)
+        self.group = group
+
+    def __call__(self, step: TrainStep, params: list[torch.Tensor]) -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+        squares = local.float().square()
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
+        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, squares.sqrt())
 
 
 class PipelineStep:
@@ -157,6 +181,7 @@ def pipeline_step(
     dtype: torch.dtype | str | None = None,
     loss_scale_manager: LossScaleManager | _Default | None = DEFAULT,
     clip_grad_norm: float | None = None,
+    lr_scheduler: Any = None,
     process_group: Any = None,
     device: torch.device | str | None = None,
 ) -> PipelineStep:
@@ -175,8 +200,9 @@ def pipeline_step(
         dtype: the low dtype.
         loss_scale_manager: left out, the level's default (float16: dynamic, its first
             scale from the first gradients); None for none; or a manager.
-        clip_grad_norm: max norm of this stage's unscaled gradients (each stage clips its
-            own part).
+        clip_grad_norm: max norm of the whole model's unscaled gradients: the norm over
+            every stage's (one more small all-reduce per step), as one process would clip.
+        lr_scheduler: stepped after each applied optimizer step, never after a skipped one.
         process_group: the pipeline's stages (default: the whole world).
         device: where this stage runs (default: where its parameters are).
 
@@ -218,7 +244,8 @@ def pipeline_step(
         dtype=dtype,
         cast_model_type=torch.float32,  # cast at use: the stage divides float32 gradients
         loss_scale_manager=loss_scale_manager,
-        clip_grad_norm=clip_grad_norm,
+        lr_scheduler=lr_scheduler,
+        after_unscale=None if clip_grad_norm is None else _ClipAcross(clip_grad_norm, group),
         process_group=process_group,
     )
     own = next((p.device for p in step.network.parameters()), torch.device("cpu"))
