@@ -155,6 +155,46 @@ def _first_scale(rank: int, world: int) -> dict[str, Any]:
     return {"scale": step.loss_scale, "overflow": step.overflow}
 
 
+def _resume(rank: int, world: int) -> dict[str, Any]:
+    """Each stage saves its own state_dict after 2 steps; 2 more after a resume on a fresh
+    build train exactly as 4 straight."""
+
+    def build() -> tuple[nn.Module, Any]:
+        part = _part(_model(), rank)
+        step = pipeline_step(
+            part,
+            torch.optim.SGD(part.parameters(), lr=0.1),
+            nn.CrossEntropyLoss(),
+            "O2",
+            dtype="fp16",
+            stage_index=rank,
+            num_stages=world,
+            n_microbatches=2,
+            loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 1),
+        )
+        return part, step
+
+    batches = _batches(4)
+    straight, step = build()
+    for x, y in batches:
+        _call(step, rank, x, y)
+    expected = (_flat(straight), step.loss_scale, step.optimizer_steps)
+    _, first = build()
+    for x, y in batches[:2]:
+        _call(first, rank, x, y)
+    saved = {
+        k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in first.state_dict().items()
+    }
+    resumed, second = build()
+    second.load_state_dict(saved)
+    for x, y in batches[2:]:
+        _call(second, rank, x, y)
+    return {
+        "expected": expected,
+        "got": (_flat(resumed), second.loss_scale, second.optimizer_steps),
+    }
+
+
 def _disagree(rank: int, world: int) -> dict[str, Any]:
     """A stage that alone loaded another loss scale: both stages skip and raise."""
     part = _part(_model(), rank)
@@ -190,6 +230,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         ("clipped", lambda r, w: _float32(r, w, clip=0.05)),
         ("float16", _float16),
         ("first_scale", _first_scale),
+        ("resume", _resume),
         ("disagree", _disagree),
     ):
         out[name] = fn(rank, world)
@@ -245,6 +286,17 @@ def test_first_float16_scale_is_agreed(stages: list[dict[str, Any]]) -> None:
     assert a == b
     assert not a["overflow"]
     assert a["scale"] > 1.0
+
+
+def test_each_stage_resumes_from_its_own_checkpoint(stages: list[dict[str, Any]]) -> None:
+    for r in stages:
+        (want, want_scale, want_steps), (got, scale, steps) = (
+            r["resume"]["expected"],
+            r["resume"]["got"],
+        )
+        assert torch.equal(got, want)
+        assert scale == want_scale == 1024 * 2**4  # grown on every clean step (window 1)
+        assert steps == want_steps == 4
 
 
 def test_stages_that_disagree_skip_and_raise_together(stages: list[dict[str, Any]]) -> None:

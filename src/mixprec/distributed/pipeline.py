@@ -41,6 +41,7 @@ from torch import nn
 from mixprec.policy.levels import Level
 from mixprec.policy.ops import cast_tree
 from mixprec.training.build import DEFAULT, _Default
+from mixprec.training.step import _as_loss
 
 if TYPE_CHECKING:
     from mixprec.training.scaling import LossScaleManager
@@ -83,6 +84,7 @@ class _ClipAcross:
         self.group = group
 
     def __call__(self, step: TrainStep, params: list[torch.Tensor]) -> None:
+        del step  # the seam's signature
         grads = [p.grad for p in params if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
@@ -117,8 +119,6 @@ class PipelineStep:
         self.schedule = schedule_class(stage, n_microbatches, loss_fn=self._scaled_loss)
 
     def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
-        from mixprec.training.step import _as_loss
-
         loss = self._loss_fn(cast_tree(output, torch.float32), cast_tree(target, torch.float32))
         loss = _as_loss(loss, "loss_fn")
         self._losses.append(loss.detach())
