@@ -320,3 +320,39 @@ def test_bad_arguments_name_the_value() -> None:
         )
     with pytest.raises(ValueError, match="pipeline_step needs torch.distributed"):
         pipeline_step(part, optimizer, loss, stage_index=0, num_stages=2, n_microbatches=2)
+
+
+def test_a_backward_run_by_the_caller_steps_like_a_call() -> None:
+    """TrainStep.scale_loss + step_gradients (what each stage does) equal one call."""
+    x, y = _batches(1)[0]
+    results = []
+    for manual in (False, True):
+        model = _model()
+        step = amp.build_train_network(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            nn.CrossEntropyLoss(),
+            loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 1),
+        )
+        if manual:
+            scaled = step.scale_loss(nn.functional.cross_entropy(step.network(x), y))
+            torch.testing.assert_close(scaled, 1024 * nn.functional.cross_entropy(model(x), y))
+            scaled.backward()
+            step.step_gradients()
+        else:
+            step(x, y)
+        results.append((_flat(model), step.loss_scale, step.optimizer_steps))
+    (a, scale_a, steps_a), (b, scale_b, steps_b) = results
+    assert torch.equal(a, b)
+    assert scale_a == scale_b == 2048.0
+    assert steps_a == steps_b == 1
+
+
+def test_step_gradients_refuses_the_middle_of_an_accumulation() -> None:
+    model = _model()
+    step = amp.build_train_network(
+        model, torch.optim.SGD(model.parameters()), nn.CrossEntropyLoss(), accumulation_steps=2
+    )
+    step(*_batches(1)[0])
+    with pytest.raises(RuntimeError, match=r"step_gradients\(\) in the middle of gradient acc"):
+        step.step_gradients()
