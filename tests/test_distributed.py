@@ -103,39 +103,63 @@ def _accumulate(rank: int, world: int, static_graph: bool = False) -> dict[str, 
 
 
 def _join(rank: int, world: int) -> dict[str, Any]:
-    """Rank 0 holds 6 micro-batches, rank 1 three; rank 0 overflows after rank 1 joined."""
+    """Rank 0 holds 6 micro-batches, rank 1 three; rank 0 overflows after rank 1 joined.
+    Once in DDP's own ``ddp.join()``, once in ``step.join()``."""
+    out: dict[str, Any] = {}
+    for idiom in ("ddp", "step"):
+        model = _model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        step = amp.build_train_network(
+            ddp,
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            nn.CrossEntropyLoss(),
+            "O2",
+            dtype="bf16",
+            loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 2),
+            accumulation_steps=2,
+        )
+        generator = torch.Generator().manual_seed(300 + rank)
+        with ddp.join() if idiom == "ddp" else step.join():
+            for i in range(6 if rank == 0 else 3):
+                x, y = _batch(generator)
+                if i == 4:
+                    x[0, 0] = float("nan")
+                step(x, y)
+        out[idiom] = {
+            "params": _flat(model),
+            "scale": step.loss_scale,
+            "skipped": step.skipped_steps,
+            "optimizer_steps": step.optimizer_steps,
+            "wrapper_untouched": ddp.module is model,
+        }
+    return out
+
+
+def _join_mismatch(rank: int, world: int) -> dict[str, Any]:
+    """A fused optimizer (skips decided on the device) in ddp.join(): rank 0's scale is
+    changed after rank 1 ran out; both ranks raise, the joined one from its hook."""
     model = _model()
     ddp = nn.parallel.DistributedDataParallel(model)
+    manager = amp.DynamicLossScaleManager(1024, 2, 100)
     step = amp.build_train_network(
         ddp,
-        torch.optim.SGD(model.parameters(), lr=0.05),
+        torch.optim.SGD(model.parameters(), lr=0.05, fused=True),
         nn.CrossEntropyLoss(),
         "O2",
         dtype="bf16",
-        loss_scale_manager=amp.DynamicLossScaleManager(1024, 2, 2),
-        accumulation_steps=2,
+        loss_scale_manager=manager,
     )
-    generator = torch.Generator().manual_seed(300 + rank)
-    plain_join = _error(lambda: _one_call_in(ddp.join(), step, generator))
-    with step.join():
-        for i in range(6 if rank == 0 else 3):
-            x, y = _batch(generator)
-            if i == 4:
-                x[0, 0] = float("nan")
-            step(x, y)
-    return {
-        "plain_join": plain_join,
-        "params": _flat(model),
-        "scale": step.loss_scale,
-        "skipped": step.skipped_steps,
-        "optimizer_steps": step.optimizer_steps,
-        "wrapper_untouched": ddp.module is model,
-    }
+    step.LIMIT_CHECK_INTERVAL = 1  # the states compared on every step
+    generator = torch.Generator().manual_seed(350 + rank)
 
+    def loop() -> None:
+        with ddp.join():
+            for i in range(5 if rank == 0 else 2):
+                if i == 3:  # rank 0 alone, as if it alone had loaded a checkpoint
+                    manager.load_state_dict({**manager.state_dict(), "loss_scale": 8.0})
+                step(*_batch(generator))
 
-def _one_call_in(context: Any, step: amp.TrainStep, generator: torch.Generator) -> None:
-    with context:
-        step(*_batch(generator))
+    return {"error": _error(loop)}
 
 
 def _wrapper(rank: int, world: int) -> dict[str, Any]:
@@ -297,7 +321,90 @@ def _local_decisions(rank: int) -> dict[str, Any]:
     finally:
         plan.time_optimizer_impls = timed
     out["kernels"] = [(g["fused"], g["foreach"]) for g in step.optimizer.param_groups]
+    out.update(_layouts(rank))
     return out
+
+
+def _layouts(rank: int) -> dict[str, Any]:
+    """Boost's channels_last: configured differently, refused at build; timed at the first
+    call (faster on rank 0 only here), rank 0's choice on every rank."""
+    import mixprec.boost.plan as plan
+
+    def build(**config: Any) -> tuple[nn.Module, amp.TrainStep]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 4))
+        step = amp.build_train_network(
+            nn.parallel.DistributedDataParallel(model),
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            nn.CrossEntropyLoss(),
+            boost_level="O1",
+            boost_config={"compile": False, "optimizer": "off", **config},
+        )
+        return model, step
+
+    configured = _error(lambda: build(channels_last=rank == 0))
+    timed = plan.time_layouts
+    plan.time_layouts = lambda network, args: (2.0, 1.0) if rank == 0 else (1.0, 2.0)  # type: ignore[assignment]
+    try:
+        model, step = build()
+        step(torch.randn(2, 3, 6, 6), torch.tensor([0, 1]))
+    finally:
+        plan.time_layouts = timed
+    assert step.boost is not None
+    layout = step.boost.decisions["channels_last"]
+    weight = model[0].weight
+    return {
+        "layout_configured": configured,
+        "layout": (layout.on, layout.why),
+        "channels_last": weight.is_contiguous(memory_format=torch.channels_last),
+        "layout_params": _flat(model),
+    }
+
+
+def _group_states(rank: int, world: int) -> dict[str, Any]:
+    """GroupLossScaleManager under DDP: every group's state is compared (the second of
+    three differs); under step.join() a joined rank answers the per-group flags."""
+
+    def build(accumulation_steps: int = 1) -> tuple[nn.Module, amp.TrainStep]:
+        model = _model()
+        step = amp.build_train_network(
+            nn.parallel.DistributedDataParallel(model),
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            nn.CrossEntropyLoss(),
+            "O2",
+            dtype="bf16",
+            loss_scale_manager=amp.GroupLossScaleManager(1024, [["0"], ["1"], ["3"]], 2, 100),
+            accumulation_steps=accumulation_steps,
+        )
+        return model, step
+
+    model, step = build()
+    if rank == 1:
+        state = step.state_dict()
+        state["_extra_state"]["loss_scale_manager"]["loss_scales"] = torch.tensor(
+            [1024.0, 512.0, 1024.0]
+        )
+        step.load_state_dict(state)
+    before = _flat(model)
+    generator = torch.Generator().manual_seed(700 + rank)
+    differ = _error(lambda: step(*_batch(generator)))
+    unchanged = torch.equal(before, _flat(model))
+    model, step = build(accumulation_steps=2)
+    with step.join():
+        for i in range(6 if rank == 0 else 3):
+            x, y = _batch(generator)
+            if i == 4:
+                x[0, 0] = float("nan")  # rank 0 alone, after rank 1 ran out
+            step(x, y)
+    manager = step.loss_scale_manager
+    assert isinstance(manager, amp.GroupLossScaleManager)
+    return {
+        "differ": differ,
+        "unchanged": unchanged,
+        "scales": manager.get_loss_scales(),
+        "skipped": step.skipped_steps,
+        "params": _flat(model),
+    }
 
 
 def _budget(rank: int, world: int) -> dict[str, Any]:
@@ -374,9 +481,11 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         ("accumulate", _accumulate),
         ("static_graph", lambda r, w: _accumulate(r, w, static_graph=True)),
         ("join", _join),
+        ("join_mismatch", _join_mismatch),
         ("wrapper", _wrapper),
         ("checkpoint", _checkpoint),
         ("agreement", _agreement),
+        ("groups", _group_states),
         ("budget", _budget),
     ):
         out[name] = fn(rank, world)
@@ -431,10 +540,12 @@ def test_static_graph_ddp_accumulates(ranks: list[dict[str, Any]]) -> None:
     torch.testing.assert_close(rank0["params"], rank0["reference"], rtol=1e-5, atol=1e-6)
 
 
-def test_step_join_handles_uneven_inputs(ranks: list[dict[str, Any]]) -> None:
-    rank0, rank1 = (r["join"] for r in ranks)
+@pytest.mark.parametrize("idiom", ["ddp", "step"])
+def test_ddp_join_and_step_join_handle_uneven_inputs(
+    ranks: list[dict[str, Any]], idiom: str
+) -> None:
+    rank0, rank1 = (r["join"][idiom] for r in ranks)
     for r in (rank0, rank1):
-        assert "Use `with step.join():` instead" in r["plain_join"]
         assert r["wrapper_untouched"]
     assert _same(rank0["params"], rank1["params"])
     # optimizer steps 1 and 2 clean (the scale grows after 2), step 3 overflows on rank 0
@@ -442,6 +553,18 @@ def test_step_join_handles_uneven_inputs(ranks: list[dict[str, Any]]) -> None:
     assert rank0["scale"] == rank1["scale"] == 1024.0
     assert rank0["skipped"] == rank1["skipped"] == 1
     assert rank0["optimizer_steps"] == rank1["optimizer_steps"] == 3
+    # both idioms train alike
+    assert _same(rank0["params"], ranks[0]["join"]["step"]["params"])
+
+
+def test_a_joined_rank_raises_with_the_others_on_a_state_mismatch(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for r in ranks:
+        assert r["join_mismatch"]["error"].startswith(
+            "mixprec: the ranks disagree on the loss-scale state on loss_scale: "
+            "rank 0: 8.0, rank 1: 1024.0"
+        ), r["join_mismatch"]["error"]
 
 
 def test_users_wrapper_is_left_alone_and_each_build_runs_its_level(
@@ -501,6 +624,32 @@ def test_ranks_that_disagree_fail_together_naming_ranks_and_values(
         assert groups in result["groups"], result["groups"]
         assert "rank 1: {'loss_scales': [2048.0, 2048.0]" in result["groups"]
         assert result["kernels"] == [(None, None)]  # rank 0's choice: the default
+        layout = when + "boost channels_last: rank 0: True, rank 1: False"
+        assert result["layout_configured"].startswith(layout), result["layout_configured"]
+        assert result["layout"] == (
+            True,
+            "the first rank's choice: measured 2.00x on the first batch",
+        )
+        assert result["channels_last"]
+    a, b = (r["agreement"]["layout_params"] for r in ranks)
+    assert _same(a, b)
+
+
+def test_every_group_scale_is_compared_and_joined_ranks_answer_the_groups(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for r in ranks:
+        result = r["groups"]
+        assert result["differ"].startswith(
+            "mixprec: the ranks disagree on the loss-scale state on loss_scales: "
+            "rank 0: [1024.0, 1024.0, 1024.0], rank 1: [1024.0, 512.0, 1024.0]. "
+        ), result["differ"]
+        assert result["unchanged"]
+    # the NaN reaches every group; the culprit is the one nearest the loss: it backs off
+    a, b = (r["groups"] for r in ranks)
+    assert a["scales"] == b["scales"] == [1024.0, 1024.0, 512.0]
+    assert a["skipped"] == b["skipped"] == 1
+    assert _same(a["params"], b["params"])
 
 
 def test_ddp_steps_send_nothing_of_their_own_and_read_the_host_once(

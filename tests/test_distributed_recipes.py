@@ -74,7 +74,7 @@ def _tail(line: str) -> str:
 
 def test_every_recipe_of_the_multi_node_page_runs(tmp_path: Path) -> None:
     scripts = _scripts(tmp_path)
-    assert sorted(scripts) == ["ddp.py", "fail.py", "fsdp.py", "launch.sh"]
+    assert sorted(scripts) == ["ddp.py", "fail.py", "fsdp.py", "launch.sh", "pipeline.py"]
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "srun").write_text(SRUN)
     (tmp_path / "bin" / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
@@ -116,3 +116,11 @@ def test_every_recipe_of_the_multi_node_page_runs(tmp_path: Path) -> None:
     assert failed.returncode == 1
     assert "RuntimeError: rank 1: a bad batch" in failed.stderr
     assert "SIGTERM" in failed.stderr
+
+
+def test_the_pipeline_recipe_runs(tmp_path: Path) -> None:
+    """Two stages under 1F1B at O2 float16: both stages take the same steps at one scale."""
+    lines = _lines(_launch(_torchrun(_scripts(tmp_path)["pipeline.py"]), tmp_path))
+    assert len(lines) == 2, lines
+    assert _tail(lines[0]) == _tail(lines[1]), lines
+    assert _tail(lines[0]).startswith("4 steps, scale "), lines

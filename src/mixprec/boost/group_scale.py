@@ -250,6 +250,10 @@ class GroupLossScaleManager(LossScaleManager):
     def device_state(self) -> LossScaleState:
         return self._core
 
+    def device_states(self) -> list[LossScaleState]:
+        """Every group's state, in forward order (the ranks compare them all)."""
+        return list(self._states)
+
     def _to(self, device: torch.device) -> None:
         self._states = [s.to(device) for s in self._states]
         self._core = self._states[-1]

@@ -7,7 +7,9 @@ timing or a documented rule and records a :class:`Decision` (on/off and why) for
   parameters; the fastest is kept if it beats the current one by ``min_speedup``. A fused
   optimizer also lets the step skip overflowing steps on the device (no host sync).
 * **channels_last** (conv nets): timed on a copy of the network with the first batch, at
-  the first call; kept if faster.
+  the first call; kept if faster. Under ``torch.distributed`` every rank takes the first
+  rank's choice (as for the optimizer's kernels): replicas in different layouts would
+  drift apart.
 * **compile**: ``torch.compile`` of the network's ``forward`` (its hooks stay eager; names
   and checkpoints are unchanged). Rule: on for CUDA, off on CPU, where it measured slower on
   every benchmark model (and costs ~25 s per compile); ``compile=True`` forces it and
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,6 +63,9 @@ class BoostPlan:
     decisions: dict[str, Decision]
     freeze: FreezeSchedule | None = None
     compile_seconds: float | None = None
+    #: how the ranks agree on a choice timed at the first call (the step's replicas'
+    #: ``adopt_first``: every rank takes the first rank's); None in one process
+    adopt_first: Callable[[Any], Any] | None = None
     _first: bool = True
     _started: float = 0.0
 
@@ -96,6 +102,9 @@ class BoostPlan:
             else:
                 layout.on = eager / cl >= self.config.min_speedup
                 layout.why = f"measured {eager / cl:.2f}x on the first batch"
+            if self.adopt_first is not None:  # one layout on every replica (DDP's buckets)
+                layout.on, why = self.adopt_first((layout.on, layout.why))
+                layout.why = f"the first rank's choice: {why}"
         if layout.on:
             _to_channels_last(target, self._masters)
         if self.decisions["compile"].on:

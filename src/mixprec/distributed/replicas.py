@@ -4,7 +4,9 @@ An optimizer step under ``torch.distributed`` all-reduces (MAX) one small vector
 step's process group (under DDP only on the first and every 50th step: DDP's all-reduced
 gradients already carry every rank's inf/NaN)::
 
-    [found_inf, -first_scale, scale, -scale, good_steps, -good_steps, bad_steps, -bad_steps]
+    [found_inf, -first_scale, scale, -scale, good_steps, -good_steps, bad_steps, -bad_steps, ...]
+
+(the last six once per loss-scale state: one per group of a ``GroupLossScaleManager``)
 
 so that every rank skips the same steps (``found_inf``, from each rank's own gradients or,
 under FSDP, its own shard), an fp16 step's first scale is the smallest any rank chose,
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -101,18 +103,19 @@ class Replicas:
 
     # ------------------------------------------------------------------ every step
     def agree_step(
-        self, found: torch.Tensor, chosen: torch.Tensor | None, state: Any
+        self, found: torch.Tensor, chosen: torch.Tensor | None, states: Sequence[Any]
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One all-reduce: the agreed overflow flag, the agreed first scale (the smallest
         any rank chose; None when none was chosen) and a 0-dim flag, 1.0 when the ranks'
-        loss-scale states differ (no host sync)."""
+        loss-scale states (``states``, every one a manager keeps: one per group of a
+        ``GroupLossScaleManager``) differ (no host sync)."""
         device = found.device
         first = torch.full((), -math.inf, device=device) if chosen is None else -chosen.float()
         values = [found.float().reshape(()), first.to(device)]
-        for name in _STATE_FIELDS:
-            x = torch.zeros((), device=device) if state is None else getattr(state, name)
-            x = x.to(device=device, dtype=torch.float32)
-            values += [x, -x]
+        for state in states:
+            for name in _STATE_FIELDS:
+                x = getattr(state, name).to(device=device, dtype=torch.float32)
+                values += [x, -x]
         vector = self.all_reduce_max(torch.stack(values))
         pairs = vector[2:].view(-1, 2)
         disagree = (pairs.sum(dim=1) != 0).any().float()

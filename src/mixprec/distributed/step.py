@@ -12,7 +12,8 @@ holds (``step.agreement``).
   compare the loss-scale states), otherwise one small all-reduce per optimizer step;
   ranks whose loss-scale states differ skip together and raise together
   (:meth:`Agreement.check`);
-* the agreement is the ``Joinable`` behind ``step.join()``, see :mod:`mixprec.distributed.join`.
+* uneven inputs: ``ddp.join()`` (= ``step.join()``) joins the step too; without DDP the
+  agreement is the ``Joinable`` behind ``step.join()``, see :mod:`mixprec.distributed.join`.
 
 In one process every part is a no-op. The agreement knows nothing of the step: it is given
 the replicas, where the step's parameters live, and what a joined rank does in place of a
@@ -29,8 +30,8 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from mixprec.distributed.join import StepJoinHook
-from mixprec.distributed.replicas import Replicas, disagreement
+from mixprec.distributed.join import StepJoinHook, join_with_step
+from mixprec.distributed.replicas import Replicas, disagreement, plain
 from mixprec.distributed.shard import sharded_level
 
 __all__ = ["Agreement", "local_shard", "without_ddp_prefix"]
@@ -82,6 +83,8 @@ class Agreement(Joinable):
         self._shadow = shadow
         self._disagree = torch.zeros(())  # sticky: 1.0 once the ranks' scale states differed
         self._agreed_steps = 0  # optimizer steps since the build (never checkpointed)
+        if replicas.ddp is not None and replicas.active:
+            join_with_step(replicas.ddp, shadow)  # a bare ddp.join() joins the step too
 
     @property
     def active(self) -> bool:
@@ -94,6 +97,8 @@ class Agreement(Joinable):
         ddp = self.replicas.ddp
         if ddp is None:
             return network(*args, **kwargs)
+        if self.replicas.active:
+            join_with_step(ddp, self._shadow)  # the step last run on the wrapper joins
         own = ddp.module
         if own is network:
             return ddp(*args, **kwargs)
@@ -135,31 +140,18 @@ class Agreement(Joinable):
         else:
             yield
 
-    def check_join(self) -> None:
-        """Refuse a step run inside ``ddp.join()`` alone (its agreement would hang)."""
-        ddp = self.replicas.ddp
-        if (
-            ddp is not None
-            and self.replicas.active
-            and ddp._join_config.enable
-            and not self._join_config.enable
-        ):
-            raise RuntimeError(
-                "mixprec training step inside ddp.join(): a rank that runs out of inputs would "
-                "not learn the others' overflows (its loss scale would fall behind theirs) nor "
-                "answer the step's loss-scale check. Use `with step.join():` instead (it joins "
-                "the DDP wrapper and the step together)"
-            )
-
     def join(self, *, enable: bool = True, throw_on_early_termination: bool = False) -> Join:
-        """A ``torch.distributed`` ``Join`` context for uneven inputs across ranks (under
-        DDP it joins the wrapper and the step: ``Join([ddp, agreement])``)."""
+        """A ``torch.distributed`` ``Join`` context for uneven inputs across ranks: under
+        DDP the wrapper's own ``ddp.join()`` (which joins the step too), otherwise
+        ``Join([agreement])``."""
         if self.replicas.fsdp is not None:
             raise RuntimeError("FSDP2 has no join(): give every rank the same number of batches")
-        joinables: list[Joinable] = [self]
-        if self.replicas.ddp is not None:
-            joinables.insert(0, self.replicas.ddp)
-        return Join(joinables, enable=enable, throw_on_early_termination=throw_on_early_termination)
+        ddp = self.replicas.ddp
+        if ddp is not None:
+            if self.replicas.active:
+                join_with_step(ddp, self._shadow)
+            return ddp.join(enable=enable, throw_on_early_termination=throw_on_early_termination)
+        return Join([self], enable=enable, throw_on_early_termination=throw_on_early_termination)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         del kwargs  # DDP's options; the step's hook has none
@@ -178,14 +170,14 @@ class Agreement(Joinable):
         self,
         found: torch.Tensor,
         chosen: torch.Tensor | None,
-        state: Any,
+        manager: Any,
         check: bool,
         *,
         interval: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The agreed overflow flag (zero when ``check`` is False) and first scale; ranks
-        whose loss-scale states (``state``, a :class:`~mixprec.training.scale_state.ScaleState`
-        or None) differ all skip.
+        whose loss-scale states (every state of ``manager``, a
+        :class:`~mixprec.LossScaleManager` or None) differ all skip.
 
         Under DDP (outside ``step.join()``) the gradients are already all-reduced: any rank's
         inf/NaN is in every rank's, so ``found`` and ``chosen`` are already the same on every
@@ -197,18 +189,21 @@ class Agreement(Joinable):
         self._agreed_steps += 1
         if self.by_gradients and not due:
             return (found if check else torch.zeros_like(found)), chosen
-        found, chosen, disagree = self.replicas.agree_step(found, chosen, state)
+        states = [] if manager is None else manager.device_states()
+        found, chosen, disagree = self.replicas.agree_step(found, chosen, states)
         self._disagree = torch.maximum(self._disagree.to(disagree.device), disagree)
         return (torch.maximum(found, disagree) if check else torch.zeros_like(found)), chosen
 
     @property
     def by_gradients(self) -> bool:
         """Whether the overflow is read from DDP's all-reduced gradients (no collective of
-        the step's own): under DDP, unless the step ever ran in ``step.join()`` (whose joined
-        ranks learn the others' overflows from the agreement all-reduce)."""
-        return self.replicas.ddp is not None and not self._join_config.enable
+        the step's own): under DDP, unless the wrapper ever ran in ``ddp.join()`` (or
+        ``step.join()``, the same): its joined ranks learn the others' overflows from the
+        agreement all-reduce."""
+        ddp = self.replicas.ddp
+        return ddp is not None and not ddp._join_config.enable
 
-    def check(self, state: Any, *, skipped: bool | None, interval: int) -> None:
+    def check(self, manager: Any, *, skipped: bool | None, interval: int) -> None:
         """Raise once the ranks' loss-scale states have differed. A difference makes every
         rank skip, so a step known to be applied (``skipped`` False) reads nothing more
         from the host; one known skipped reads the flag; one decided on the device (None)
@@ -219,15 +214,7 @@ class Agreement(Joinable):
             return
         if not self._disagree.item():
             return
-        facts = (
-            {}
-            if state is None
-            else {
-                "loss_scale": float(state.scale),
-                "good_steps": int(state.good_steps),
-                "bad_steps": int(state.bad_steps),
-            }
-        )
+        facts = {} if manager is None else plain(manager.state_dict())
         message = disagreement(
             self.replicas.gather(facts),
             "on the loss-scale state",

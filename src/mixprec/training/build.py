@@ -390,9 +390,10 @@ def build_train_network(
         pairs = [] if masters is None else list(zip(masters.masters, masters.lows, strict=True))
         manager.attach(converted, pairs)
     plan = plan_boost(boost, boost_options, converted, optimizer, ddp, masters)
-    if plan is not None:  # boost times the kernels per rank: every rank runs the first's
+    if plan is not None:  # boost times kernels and layouts per rank: every rank runs the first's
         decision = plan.decisions["optimizer"]
         plan.decisions["optimizer"] = replicas.adopt_optimizer_kernels(optimizer, decision)
+        plan.adopt_first = replicas.adopt_first if replicas.active else None
     if manager is DEFAULT:
         manager = None
         if config.dtype == torch.float16:  # float16 gradients underflow without scaling
@@ -411,7 +412,8 @@ def build_train_network(
             "loss-scale state": None if manager is None else plain(manager.state_dict()),
             "emulate": emulate,
             **{name: _pinned(inner, recipe, pin) for name, pin in _PINS.items()},
-            "boost": None if plan is None else {k: d.on for k, d in plan.decisions.items()},
+            "boost_level": boost.value,
+            **{f"boost {k}": d.on for k, d in ({} if plan is None else plan.decisions).items()},
             "decides skips on": _decides_on(manager, hooks, optimizer, debug_overflow),
         },
         "when the training step is built",

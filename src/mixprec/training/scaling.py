@@ -273,6 +273,12 @@ class LossScaleManager(_Adapter):
             return None
         return self._core
 
+    def device_states(self) -> list[LossScaleState]:
+        """Every tensor state of the policy (what the ranks of a step must hold alike):
+        :meth:`device_state`'s, or none for a host-API subclass."""
+        state = self.device_state()
+        return [] if state is None else [state]
+
     def _to(self, device: torch.device) -> None:
         self._core = self._core.to(device)
 

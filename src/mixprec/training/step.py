@@ -361,7 +361,6 @@ class TrainStep(nn.Module):
     # ------------------------------------------------------------------ the step
     def forward(self, *inputs: Any, **kwargs: Any) -> torch.Tensor:
         """Run one micro-batch; returns its unscaled float32 loss (detached)."""
-        self.agreement.check_join()
         last = self._micro_step + 1 == self.config.accumulation_steps
         try:
             if self.boost is not None:
@@ -424,6 +423,32 @@ class TrainStep(nn.Module):
         assert state is not None
         return state.scale
 
+    # ------------------------------------------------------------------ a backward run elsewhere
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the next optimizer step's loss scale (a device tensor, no sync), for
+        a backward the caller runs itself (a pipeline schedule,
+        :mod:`mixprec.distributed.pipeline`); the loss itself without a manager and on the
+        first step of an automatic scale. Then call :meth:`step_gradients`."""
+        scale = self._scale_tensor(loss.device)
+        return loss if scale is None else loss * scale
+
+    def step_gradients(self) -> None:
+        """The optimizer step on the gradients a caller's own backward of a
+        :meth:`scale_loss` loss left on the Parameters: what a call does after its backward
+        (unscale, agree with the other ranks, clip, step or skip, update the scale).
+
+        Raises:
+            RuntimeError: in the middle of an accumulation of calls.
+        """
+        if self._micro_step:
+            raise RuntimeError(
+                f"step_gradients() in the middle of gradient accumulation ({self._micro_step} "
+                f"of {self.config.accumulation_steps} micro-batches done by calls)"
+            )
+        if self.masters is not None:
+            self.masters.collect_grads()
+        self._step()
+
     def _abandon(self) -> None:
         """Drop every gradient of an abandoned step (and its accumulation)."""
         self._micro_step = 0
@@ -459,34 +484,28 @@ class TrainStep(nn.Module):
             if manager is None:
                 found = _unscale_grads(local, inverse)
             else:
+                # a policy's own per-part flags (a group's boundary) are each rank's even
+                # under DDP: agreed whenever there are ranks (other policies send nothing)
                 replicas = self.agreement.replicas
-                by_gradients = self.agreement.by_gradients  # DDP: already the same everywhere
-                active = replicas.active and not by_gradients
-                agree = replicas.all_reduce_max if active else None
+                agree = replicas.all_reduce_max if replicas.active else None
                 found = manager.unscale_step(params, local, inverse, agree)
             if self._warming_up and state is not None and state.dynamic:
                 chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
             found, chosen = self.agreement.agree(
-                found, chosen, state, check, interval=self.LIMIT_CHECK_INTERVAL
+                found, chosen, manager, check, interval=self.LIMIT_CHECK_INTERVAL
             )
             mark_unscaled(grads, found)
             self.found_inf = found
             if self.hooks.after_unscale is not None:
                 self.hooks.after_unscale(self, params)
-            on_device = (
-                check
-                and (manager is None or state is not None)
-                and not self.hooks.need_host_decision
-                and self._debugger is None
-                and _fused_skip_ready(self.optimizer)
-            )
+            on_device = self._decides_on_device(check, manager, state)
             applied: bool | None = True  # without a check, every step is applied
             if check:
                 self._ledger.update(found)
                 applied = None if on_device else not self._ledger.read_now()[0]  # the one sync
             interval = self.LIMIT_CHECK_INTERVAL
             skipped = None if applied is None else not applied
-            self.agreement.check(state, skipped=skipped, interval=interval)
+            self.agreement.check(manager, skipped=skipped, interval=interval)
             if applied is not False:
                 norm = self._total_norm(grads)
                 if self.config.clip_grad_norm is not None:
@@ -518,6 +537,16 @@ class TrainStep(nn.Module):
             self.optimizer.zero_grad(set_to_none=True)
         if check:
             self._check_limits(known=applied is not None)
+
+    def _decides_on_device(self, check: bool, manager: Any, state: Any) -> bool:
+        """Whether the skip is the fused optimizer's, on the device (no host read)."""
+        return (
+            check
+            and (manager is None or state is not None)
+            and not self.hooks.need_host_decision
+            and self._debugger is None
+            and _fused_skip_ready(self.optimizer)
+        )
 
     def _optimizer_step(self, found_inf: torch.Tensor | None) -> None:
         if found_inf is None:
@@ -577,8 +606,8 @@ class TrainStep(nn.Module):
     def join(self, *, enable: bool = True, throw_on_early_termination: bool = False) -> Any:
         """A ``torch.distributed`` ``Join`` context for uneven inputs across ranks.
 
-        Under DDP it joins the wrapper and the step (``Join([ddp, step.agreement])``); use
-        it where you would use ``ddp.join()``.
+        Under DDP it is the wrapper's own ``ddp.join()``, which joins the step too (either
+        spelling works); without DDP, ``Join([step.agreement])``.
 
         Example:
             >>> with step.join():
@@ -608,11 +637,17 @@ class TrainStep(nn.Module):
         warm = self._warming_up and state is not None and state.dynamic
         chosen = torch.full_like(nothing, math.inf) if warm else None
         try:
+            if manager is not None:  # answer the others' per-part flags with none of its own
+                manager.unscale_step([], [], nothing + 1, self.agreement.replicas.all_reduce_max)
             found, chosen = self.agreement.agree(
-                nothing, chosen, state, check, interval=self.LIMIT_CHECK_INTERVAL
+                nothing, chosen, manager, check, interval=self.LIMIT_CHECK_INTERVAL
             )
             if check:
                 self._ledger.update(found)
+            # the others raise together when the states differed: so does a joined rank
+            on_device = self._decides_on_device(check, manager, state)
+            skipped = None if on_device else check
+            self.agreement.check(manager, skipped=skipped, interval=self.LIMIT_CHECK_INTERVAL)
             self._update_scale(manager, state, found, chosen)
         finally:
             self.optimizer_steps += 1
