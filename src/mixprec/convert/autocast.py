@@ -53,6 +53,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.modules.module import _global_forward_hooks
+from torch.nn.utils import parametrize
 
 from mixprec._warn import warn
 from mixprec.convert.module_level import ExtraRepr
@@ -92,13 +93,15 @@ __all__ = [
 FAST_PATH_MODULES: tuple[type[nn.Module], ...] = (nn.TransformerEncoder,)
 
 
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    def one(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and is_castable(leaf) and leaf.dtype != dtype:
-            return leaf.to(dtype)
-        return leaf
+def _cast_floating(
+    call: tuple[tuple[Any, ...], dict[str, Any]], dtype: torch.dtype
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call's floating arguments (not float64) cast to ``dtype``, as :func:`cast_arguments`."""
 
-    return pytree.tree_map(one, tree)
+    def needs(leaf: torch.Tensor) -> bool:
+        return is_castable(leaf) and leaf.dtype != dtype
+
+    return _cast_call(call[0], call[1], dtype, needs)
 
 
 class AutocastForward(ForwardBase):
@@ -185,17 +188,39 @@ class Region:
         return RuntimeListMode(self.table, self.default, self.recipe.dtype, back=True)
 
 
+def _needs_up(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.dtype in (torch.float16, torch.bfloat16)
+
+
 def _up(tree: Any) -> Any:
-    """Float16/bfloat16 tensors in ``tree`` cast to float32 (float32 and float64 kept)."""
-
-    def one(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.dtype in (torch.float16, torch.bfloat16):
-            return leaf.to(torch.float32)
-        return leaf
-
+    """Float16/bfloat16 tensors in ``tree`` (a result) cast to float32, float32 and
+    float64 kept; ``tree`` itself when nothing needs a cast (no container is rebuilt)."""
     if isinstance(tree, torch.Tensor):
-        return one(tree)
-    return pytree.tree_map(one, tree)
+        return tree.to(torch.float32) if _needs_up(tree) else tree
+    if not any(_needs_up(leaf) for leaf in pytree.tree_leaves(tree)):
+        return tree
+    return pytree.tree_map(lambda leaf: leaf.to(torch.float32) if _needs_up(leaf) else leaf, tree)
+
+
+def cast_arguments(value: Any, dtype: torch.dtype, needs: Callable[[Any], bool]) -> Any:
+    """``value`` (an argument) with the tensors ``needs`` picks cast to ``dtype``: the
+    argument itself or inside (nested) tuples. Lists, dicts and other objects are passed
+    as they are, the same objects (a KV cache or list the forward appends to stays the
+    caller's)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if needs(value) else value
+    if type(value) is tuple:
+        return tuple(cast_arguments(item, dtype, needs) for item in value)
+    return value
+
+
+def _cast_call(
+    args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype, needs: Callable[[Any], bool]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (
+        tuple(cast_arguments(a, dtype, needs) for a in args),
+        {k: cast_arguments(v, dtype, needs) for k, v in kwargs.items()},
+    )
 
 
 def _all_float32(values: Any) -> bool:
@@ -204,8 +229,8 @@ def _all_float32(values: Any) -> bool:
         if isinstance(value, torch.Tensor):
             if value.dtype in (torch.float16, torch.bfloat16):
                 return False
-        elif isinstance(value, (list, tuple, dict)):
-            return False  # a container: let _up look inside
+        elif type(value) is tuple:
+            return False  # let cast_arguments look inside
     return True
 
 
@@ -237,7 +262,7 @@ class ListedForward(ForwardBase):
                 return self._layer(local.mode, args, kwargs)
             return type(self.module).forward(self.module, *args, **kwargs)
         if not (_all_float32(args) and _all_float32(kwargs.values())):
-            args, kwargs = _up((args, kwargs))
+            args, kwargs = _cast_call(args, kwargs, torch.float32, _needs_up)
         local.depth, local.mode = 1, self.region.mode()
         try:
             with local.mode:
@@ -345,8 +370,8 @@ def convert_o1(network: nn.Module, recipe: Recipe) -> nn.Module:
         seen.add(id(module))
         pin = _pin(recipe, scopes)
         enclosing = [m for _, m in scopes[:-1] if isinstance(m, recipe.white_modules)]
-        if pin is Precision.FP32:
-            set_forward(module, Fp32Forward(module, recipe.device_type))
+        if pin is Precision.FP32 or isinstance(module, parametrize.ParametrizationList):
+            set_forward(module, Fp32Forward(module, recipe.device_type))  # (its math: float32)
         elif pin is Precision.LOW or any(o1_kind(m, region) is O1Kind.WHOLE for m in enclosing):
             set_forward(
                 module,
