@@ -87,8 +87,8 @@ def test_every_entry_point_computes_low(level: str, dtype: str) -> None:
     encoded = converted.encode(x)  # another method of the class
     assert encoded.dtype in (DTYPES[dtype], torch.float32)
     assert rel_error(encoded.float(), model.encode(x)) < TOL[dtype]
-    out = converted.fc1(x)  # a submodule called directly is an entry point of its own
-    assert out.dtype == (torch.float32 if level == "O1" else DTYPES[dtype])  # O1 returns float32
+    out = converted.fc1(x)  # a white-list layer called directly answers as inside the model
+    assert out.dtype == (torch.float32 if level == "O1" else DTYPES[dtype])  # O1: cast back
     assert torch.equal(out, out.to(DTYPES[dtype]).to(out.dtype))  # computed in the low dtype
     with pytest.raises(AttributeError):
         converted.missing_method  # noqa: B018

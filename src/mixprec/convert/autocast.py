@@ -83,6 +83,7 @@ __all__ = [
     "Fp32Forward",
     "InputsLowForward",
     "ListedForward",
+    "WhiteForward",
     "convert_autocast",
     "convert_o1",
 ]
@@ -239,14 +240,11 @@ class ListedForward(ForwardBase):
     from outside the model (an entry point: the root or a submodule called directly),
     its float16/bfloat16 arguments cast up and its floating results returned float32."""
 
-    def __init__(
-        self, module: nn.Module, region: Region, *, under_fast_path: bool, layer: bool = False
-    ) -> None:
+    def __init__(self, module: nn.Module, region: Region, *, under_fast_path: bool) -> None:
         self.module = module
         self.region = region
         self.as_written = isinstance(module, FAST_PATH_MODULES)
         self.may_get_nested = under_fast_path  # only a fast path makes nested tensors
-        self.layer = layer
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         local = self.region.local
@@ -258,33 +256,60 @@ class ListedForward(ForwardBase):
             finally:
                 local.depth = depth
         if getattr(local, "depth", 0):  # inside the model: the region's mode is active
-            if self.layer:
-                return self._layer(local.mode, args, kwargs)
             return type(self.module).forward(self.module, *args, **kwargs)
         if not (_all_float32(args) and _all_float32(kwargs.values())):
             args, kwargs = _cast_call(args, kwargs, torch.float32, _needs_up)
         local.depth, local.mode = 1, self.region.mode()
         try:
             with local.mode:
-                if self.layer:
-                    return self._layer(local.mode, args, kwargs)
                 out = type(self.module).forward(self.module, *args, **kwargs)
         finally:
             local.depth, local.mode = 0, None
         return out if isinstance(out, torch.Tensor) and out.dtype == torch.float32 else _up(out)
 
-    def _layer(self, mode: RuntimeListMode, args: Any, kwargs: dict[str, Any]) -> Any:
-        """A one-call white-list layer: its result cast back after its forward hooks (the
-        last of them, :class:`CastBackLast`), which see the low result, as under
-        ``torch.autocast``; with no hook, here."""
-        mode.back = False
+
+class WhiteForward(ForwardBase):
+    """An O1 white-list module's ``forward``: it computes low, and its result is cast back
+    to float32 for its caller after its forward hooks (the last of them,
+    :class:`CastBackLast`; with no hook, here), so the hooks see the low result as under
+    ``torch.autocast``. Called directly it answers the same (a checkpointed
+    recomputation calls submodules directly: it must compute what the forward did).
+
+    ``inner`` runs it: None for a one-call layer (its white-list call decided by the
+    region's mode, the result kept low), a forced-low
+    :class:`~mixprec.convert.runtime.RuntimeForward` for a module run whole in low
+    precision, an :class:`InputsLowForward` for a layer subclass with its own forward.
+    """
+
+    def __init__(self, module: nn.Module, region: Region, inner: Callable[..., Any] | None) -> None:
+        self.module = module
+        self.region = region
+        self.inner = inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        local = self.region.local
+        if getattr(local, "depth", 0):  # inside the model
+            return self._finish(local.mode, self._run(local.mode, args, kwargs))
+        local.depth, local.mode = 1, self.region.mode()
         try:
-            out = type(self.module).forward(self.module, *args, **kwargs)
+            with local.mode:
+                return self._finish(local.mode, self._run(local.mode, args, kwargs))
+        finally:
+            local.depth, local.mode = 0, None
+
+    def _finish(self, mode: RuntimeListMode, out: Any) -> Any:
+        if self.module._forward_hooks or _global_forward_hooks:
+            return out  # CastBackLast casts it back after the hooks
+        return mode.cast_back(out)
+
+    def _run(self, mode: RuntimeListMode, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        mode.back = False  # the layer's one white-list call keeps its result low
+        try:
+            return type(self.module).forward(self.module, *args, **kwargs)
         finally:
             mode.back = True
-        if self.module._forward_hooks or _global_forward_hooks:
-            return out
-        return mode.cast_back(out)
 
 
 class CastBackLast(collections.OrderedDict):
@@ -305,14 +330,15 @@ class CastBackLast(collections.OrderedDict):
         yield (-1, self._cast_back)
 
     def _cast_back(self, module: nn.Module, args: Any, output: Any) -> Any:
-        mode = getattr(self.region.local, "mode", None)
+        local = self.region.local
+        mode = local.mode if getattr(local, "depth", 0) else None
         return _up(output) if mode is None else mode.cast_back(output)
 
 
 class InputsLowForward(ForwardBase):
     """O1: a subclass of a built-in white-list layer with a ``forward`` of its own
     (torchao's ``Float8Linear``): floating inputs cast down, its own code run as written
-    (it decides what its weights compute in), floating results returned float32."""
+    (it decides what its weights compute in)."""
 
     def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
         self.module = module
@@ -321,8 +347,7 @@ class InputsLowForward(ForwardBase):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = _cast_floating((args, kwargs), self.dtype)
         with standing_aside():
-            out = type(self.module).forward(self.module, *args, **kwargs)
-        return _up(out)
+            return type(self.module).forward(self.module, *args, **kwargs)
 
 
 #: Built-in white-list layers whose ``forward`` is one call of a white-list function: at
@@ -364,41 +389,33 @@ def convert_o1(network: nn.Module, recipe: Recipe) -> nn.Module:
     root = structural_copy(network)
     region = Region(recipe)
     seen: set[int] = set()
-    for _, module, scopes in _walk(root, "", (("", root),)):
+    for path, module, scopes in _walk(root, "", (("", root),)):
         if id(module) in seen:
             continue
         seen.add(id(module))
         pin = _pin(recipe, scopes)
-        enclosing = [m for _, m in scopes[:-1] if isinstance(m, recipe.white_modules)]
+        white = isinstance(module, recipe.white_modules)
+        kind = o1_kind(module, region) if white else None
+        units = [m for _, m in scopes[:-1] if isinstance(m, recipe.white_modules)]
+        inside_low = (pin is Precision.LOW and recipe.pinned(module, path) is None) or any(
+            o1_kind(m, region) is O1Kind.WHOLE for m in units
+        )
         if pin is Precision.FP32 or isinstance(module, parametrize.ParametrizationList):
             set_forward(module, Fp32Forward(module, recipe.device_type))  # (its math: float32)
-        elif pin is Precision.LOW or any(o1_kind(m, region) is O1Kind.WHOLE for m in enclosing):
-            set_forward(
-                module,
-                RuntimeForward(
-                    module, recipe, scopes, torch.float32, Precision.LOW, O1Kind.WHOLE.value
-                ),
-            )
-        elif (
-            isinstance(module, recipe.white_modules)
-            and o1_kind(module, region) is not O1Kind.ONE_CALL
-        ):
-            kind = o1_kind(module, region)
-            if kind is O1Kind.INPUTS_LOW:
-                set_forward(module, InputsLowForward(module, recipe.dtype))
-            else:
-                set_forward(
-                    module,
-                    RuntimeForward(
-                        module, recipe, scopes, torch.float32, Precision.LOW, kind.value
-                    ),
-                )
+        elif inside_low:  # inside a module run whole in low precision
+            set_forward(module, RuntimeForward(module, recipe, scopes, None, Precision.LOW))
+        elif pin is Precision.LOW or white:
+            inner: Callable[..., Any] | None = None
+            if pin is Precision.LOW or kind is O1Kind.WHOLE:
+                reason = O1Kind.WHOLE.value
+                inner = RuntimeForward(module, recipe, scopes, None, Precision.LOW, reason)
+            elif kind is O1Kind.INPUTS_LOW:
+                inner = InputsLowForward(module, recipe.dtype)
+            set_forward(module, WhiteForward(module, region, inner))
+            set_forward_hooks(module, CastBackLast(module._forward_hooks, region))
         elif type(module).forward is not nn.Module.forward:
             under = any(isinstance(m, FAST_PATH_MODULES) for _, m in scopes[:-1])
-            layer = isinstance(module, recipe.white_modules)  # a one-call layer
-            set_forward(module, ListedForward(module, region, under_fast_path=under, layer=layer))
-            if layer:
-                set_forward_hooks(module, CastBackLast(module._forward_hooks, region))
+            set_forward(module, ListedForward(module, region, under_fast_path=under))
     root.__dict__[CONVERSION_ATTR] = Conversion(recipe, static_plan(root, recipe))
     add_repr_note(root, f"mixprec: {recipe.describe()}")
     return root
@@ -496,6 +513,8 @@ def static_plan(root: nn.Module, recipe: Recipe) -> CastPlan:
         if any(id(m) in inside_unit for _, m in scopes[:-1]):
             continue
         forward = module.__dict__.get("forward")
+        if isinstance(forward, WhiteForward) and forward.inner is not None:
+            forward = forward.inner
         if isinstance(forward, RuntimeForward):
             inside_unit.add(id(module))
             rows.append(unit_weight_rows(module, path, recipe, inputs=True))
