@@ -207,7 +207,6 @@ def test_plan_json_matches_explain(level: str, capsys: pytest.CaptureFixture[str
     converted = mixprec.auto_mixed_precision(lenet5(), level, "bf16")
     expected = mixprec.explain(converted, torch.randn(2, 1, 32, 32))  # the CLI's inputs' dtypes
     assert printed["totals"]["casts_per_forward"] == expected.num_casts
-    assert printed["totals"]["casts_removed"] == expected.casts_removed
     assert printed == expected.to_dict()
 
 

@@ -87,7 +87,9 @@ def test_every_entry_point_computes_low(level: str, dtype: str) -> None:
     encoded = converted.encode(x)  # another method of the class
     assert encoded.dtype in (DTYPES[dtype], torch.float32)
     assert rel_error(encoded.float(), model.encode(x)) < TOL[dtype]
-    assert converted.fc1(x).dtype == DTYPES[dtype]  # a submodule call, its own casts
+    out = converted.fc1(x)  # a white-list layer called directly answers as inside the model
+    assert out.dtype == (torch.float32 if level == "O1" else DTYPES[dtype])  # O1: cast back
+    assert torch.equal(out, out.to(DTYPES[dtype]).to(out.dtype))  # computed in the low dtype
     with pytest.raises(AttributeError):
         converted.missing_method  # noqa: B018
 
@@ -133,8 +135,6 @@ def test_custom_autograd_function_keeps_its_backward(level: str, dtype: str) -> 
     converted(x).float().sum().backward()
     converted_grad = model.fc.bias.grad.clone()
     torch.testing.assert_close(converted_grad, -torch.full((4,), 2.0), rtol=0, atol=0)
-    if level == "O1":
-        assert "gradients off" in amp.explain(converted).runtime()[""]
 
 
 @every
@@ -381,15 +381,3 @@ def test_clip_feature_methods() -> None:
             ours = getattr(ours, "pooler_output", ours)
             theirs = getattr(theirs, "pooler_output", theirs)
             assert rel_error(ours.float(), theirs) < 3e-2, method
-
-
-def test_explain_names_each_run_time_part_with_a_reason_in_plain_words() -> None:
-    converted = _convert(_bert(), "O1", "bf16")
-    with torch.no_grad():
-        converted(input_ids=IDS)  # the plan shows the specialisations last used
-    plan = amp.explain(converted)
-    assert plan.runtime_parts
-    for path, reason in plan.runtime().items():
-        assert reason, path
-        assert "co_varnames" not in reason
-    assert "parts decided at run time" in str(plan)

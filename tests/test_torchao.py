@@ -18,8 +18,6 @@ float8 = pytest.importorskip("torchao.float8", reason="torchao is not installed"
 import mixprec  # noqa: E402
 
 LEVELS = ["O0", "O1", "O2", "O3", "autocast"]
-#: What issue-18b (conversion-side composition) makes work; strict, so it is noticed.
-O1_PENDING = "O1 takes Float8Linear (an nn.Linear subclass) as a white-list unit"
 
 
 def float8_model() -> nn.Module:
@@ -59,7 +57,6 @@ def test_float8_training_emulated(level: str) -> None:
     assert float((out.float() - reference).abs().max() / reference.abs().max()) < 0.05
 
 
-@pytest.mark.xfail(strict=True, reason=O1_PENDING)
 def test_o1_leaves_float8_scale_math_in_float32() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -15,10 +15,9 @@ from torch import nn
 
 from mixprec._check import require_module
 from mixprec._warn import warn
-from mixprec.convert.autocast import convert_autocast
+from mixprec.convert.autocast import convert_autocast, convert_o1
 from mixprec.convert.declared import with_declared_pins
 from mixprec.convert.emulate import install_emulation
-from mixprec.convert.graph import convert_graph
 from mixprec.convert.module_level import convert_module_level
 from mixprec.convert.structure import find_converted
 from mixprec.distributed.shard import refuse_sharded
@@ -26,6 +25,7 @@ from mixprec.fp8.swap import apply_fp8
 from mixprec.policy import lists
 from mixprec.policy.dtypes import device_of, dtype_name, warn_if_slow
 from mixprec.policy.levels import Level, Pins, Recipe, check_list, resolve
+from mixprec.policy.ops import op_key
 
 __all__ = ["auto_mixed_precision", "custom_mixed_precision", "get_black_list", "get_white_list"]
 
@@ -194,7 +194,7 @@ def convert(
     elif recipe.level is Level.AUTOCAST:
         converted = convert_autocast(network, recipe)
     else:
-        converted = convert_graph(network, recipe)
+        converted = convert_o1(network, recipe)
     return install_emulation(converted, recipe.dtype) if emulate else converted
 
 
@@ -234,6 +234,7 @@ def custom_mixed_precision(
         )
     if white_list is not None:
         items = check_list("white_list", white_list, modules_only=False)
+        _refuse_own_functions(items)
         recipe = resolve(
             network,
             Level.O1,
@@ -260,3 +261,17 @@ def custom_mixed_precision(
                 dtype_name(recipe.dtype),
             )
     return convert(network, recipe, emulate=emulate, declared_fp32=declared_fp32)
+
+
+def _refuse_own_functions(items: Sequence[object]) -> None:
+    """O1 runs the model's code as written and applies its list to the torch functions
+    it calls: a function of the user's own is not one, so no call of it could be seen."""
+    for item in items:
+        if not isinstance(item, type) and not isinstance(op_key(item), str):  # type: ignore[arg-type]
+            name = getattr(item, "__qualname__", repr(item))
+            raise ValueError(
+                f"white_list holds {name}, a function of your own: O1 applies its list to "
+                "the torch functions your code calls, which cannot see a call of it. List the "
+                "torch functions it calls, or a module class that calls it (the module then "
+                "runs whole in low precision)"
+            )

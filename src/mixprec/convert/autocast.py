@@ -1,4 +1,11 @@
-"""The autocast level as ``torch.autocast`` itself: the user's code, torch's decisions.
+"""The levels that run the user's own code: the autocast level and O1.
+
+Nothing is traced and nothing is snapshotted: every module runs its own, unchanged
+``forward``, so children replaced, added or removed after conversion run as on the
+original, tensors in any argument are used as passed, and a forward reads every
+attribute (and draws from the RNG) at each call, exactly as the original does.
+
+**The autocast level** is ``torch.autocast`` itself: the user's code, torch's decisions.
 
 The level's decision for every op is the one ``torch.autocast`` makes on CPU and CUDA (its
 lists, :mod:`mixprec.policy.lists`, reproduce it op by op), so a converted model runs its
@@ -13,40 +20,89 @@ per op). Each module's ``forward`` (set on the instance) is one of:
   recurrent layers and attention (run whole in low precision: floating arguments and
   weights cast down, under :class:`~mixprec.convert.runtime.RuntimeListMode`).
 
-Children replaced, added or removed after conversion run as on the original (nothing
-about them was recorded), tensors in any argument are used as passed, and a forward
-reads every attribute at each call.
+**O1** runs the model's code under one :class:`~mixprec.convert.runtime.RuntimeListMode`
+per call, entered where the call comes in (the root, or a submodule called directly):
+
+* a call of a white-list function (``F.linear``, ``matmul``, ``conv*``, ``bmm``, ...)
+  casts its floating operands down (each value once per call: a weight used twice, or a
+  low result feeding the next white-list op, is not cast again), computes low, and
+  returns its result cast back to float32;
+* every other call follows its inputs, which are float32 by construction (the entry
+  casts float16/bfloat16 arguments up and every white-list result comes back float32),
+  at the cost of one dictionary lookup;
+* a white-list module whose code is one white-list call (``nn.Linear``, ``nn.Conv2d``,
+  ...) needs nothing more; any other white-list module (recurrent layers, attention, a
+  class of the user's list) runs whole in low precision, its result cast back; a
+  subclass of a built-in white-list layer with its own ``forward`` (torchao's
+  ``Float8Linear``) gets its inputs cast down and runs its own code.
+
+Pins work as at the autocast level (:class:`Fp32Forward`, a forced-low
+:class:`~mixprec.convert.runtime.RuntimeForward`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import collections
+import enum
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks
+from torch.nn.utils import parametrize
 
 from mixprec._warn import warn
-from mixprec.convert.graph import FAST_PATH_MODULES, unit_weight_rows
 from mixprec.convert.module_level import ExtraRepr
 from mixprec.convert.plan import CastPlan, Conversion, PlanRow, RowKind
-from mixprec.convert.runtime import ForwardBase, RuntimeForward, any_nested, standing_aside
-from mixprec.convert.structure import CONVERSION_ATTR, structural_copy
+from mixprec.convert.runtime import (
+    ForwardBase,
+    RuntimeForward,
+    RuntimeListMode,
+    any_nested,
+    decision_table,
+    standing_aside,
+)
+from mixprec.convert.structure import (
+    CONVERSION_ATTR,
+    add_repr_note,
+    qualified_name,
+    set_forward,
+    set_forward_hooks,
+    structural_copy,
+)
 from mixprec.policy import lists
 from mixprec.policy.dtypes import dtype_name, is_castable
-from mixprec.policy.levels import Precision, Recipe
+from mixprec.policy.levels import Level, Precision, Recipe
 
-__all__ = ["AutocastForward", "Fp32Forward", "convert_autocast"]
+__all__ = [
+    "AutocastForward",
+    "Fp32Forward",
+    "InputsLowForward",
+    "ListedForward",
+    "WhiteForward",
+    "convert_autocast",
+    "convert_o1",
+]
 
 
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    def one(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and is_castable(leaf) and leaf.dtype != dtype:
-            return leaf.to(dtype)
-        return leaf
+#: Built-in modules whose forward picks a fused fast path from run-time values (eval
+#: mode, no grad, a padding mask): they run their own code so the choice is PyTorch's.
+FAST_PATH_MODULES: tuple[type[nn.Module], ...] = (nn.TransformerEncoder,)
 
-    return pytree.tree_map(one, tree)
+
+def _cast_floating(
+    call: tuple[tuple[Any, ...], dict[str, Any]], dtype: torch.dtype
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call's floating arguments (not float64) cast to ``dtype``, as :func:`cast_arguments`."""
+
+    def needs(leaf: torch.Tensor) -> bool:
+        return is_castable(leaf) and leaf.dtype != dtype
+
+    return _cast_call(call[0], call[1], dtype, needs)
 
 
 class AutocastForward(ForwardBase):
@@ -112,6 +168,266 @@ class Fp32Forward(ForwardBase):
         args, kwargs = _cast_floating((args, kwargs), torch.float32)
         with standing_aside(), torch.autocast(self.device_type, enabled=False):
             return type(self.module).forward(self.module, *args, **kwargs)
+
+
+class Region:
+    """One O1 conversion's run-time state: the decision table its calls run under, and
+    how deep this thread is inside a call of the model (0: outside)."""
+
+    def __init__(self, recipe: Recipe) -> None:
+        self.recipe = recipe
+        self.table, self.default = decision_table(recipe, ())
+        self.local = threading.local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"recipe": self.recipe}  # torch functions and thread state do not pickle
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["recipe"])  # type: ignore[misc]
+
+    def mode(self) -> RuntimeListMode:
+        return RuntimeListMode(self.table, self.default, self.recipe.dtype, back=True)
+
+
+def _needs_up(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.dtype in (torch.float16, torch.bfloat16)
+
+
+def _up(tree: Any) -> Any:
+    """Float16/bfloat16 tensors in ``tree`` (a result) cast to float32, float32 and
+    float64 kept; ``tree`` itself when nothing needs a cast (no container is rebuilt)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(torch.float32) if _needs_up(tree) else tree
+    if not any(_needs_up(leaf) for leaf in pytree.tree_leaves(tree)):
+        return tree
+    return pytree.tree_map(lambda leaf: leaf.to(torch.float32) if _needs_up(leaf) else leaf, tree)
+
+
+def cast_arguments(value: Any, dtype: torch.dtype, needs: Callable[[Any], bool]) -> Any:
+    """``value`` (an argument) with the tensors ``needs`` picks cast to ``dtype``: the
+    argument itself or inside (nested) tuples. Lists, dicts and other objects are passed
+    as they are, the same objects (a KV cache or list the forward appends to stays the
+    caller's)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if needs(value) else value
+    if type(value) is tuple:
+        return tuple(cast_arguments(item, dtype, needs) for item in value)
+    return value
+
+
+def _cast_call(
+    args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype, needs: Callable[[Any], bool]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (
+        tuple(cast_arguments(a, dtype, needs) for a in args),
+        {k: cast_arguments(v, dtype, needs) for k, v in kwargs.items()},
+    )
+
+
+def _all_float32(values: Any) -> bool:
+    """No argument needs casting up (checked without walking containers)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.dtype in (torch.float16, torch.bfloat16):
+                return False
+        elif type(value) is tuple:
+            return False  # let cast_arguments look inside
+    return True
+
+
+class ListedForward(ForwardBase):
+    """An O1 module's ``forward``: its own forward, under the region's list when called
+    from outside the model (an entry point: the root or a submodule called directly),
+    its float16/bfloat16 arguments cast up and its floating results returned float32."""
+
+    def __init__(self, module: nn.Module, region: Region, *, under_fast_path: bool) -> None:
+        self.module = module
+        self.region = region
+        self.as_written = isinstance(module, FAST_PATH_MODULES)
+        self.may_get_nested = under_fast_path  # only a fast path makes nested tensors
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        local = self.region.local
+        if self.as_written or (self.may_get_nested and any_nested(args, kwargs)):
+            depth, local.depth = getattr(local, "depth", 0), 0  # children enter afresh
+            try:
+                with standing_aside():
+                    return type(self.module).forward(self.module, *args, **kwargs)
+            finally:
+                local.depth = depth
+        if getattr(local, "depth", 0):  # inside the model: the region's mode is active
+            return type(self.module).forward(self.module, *args, **kwargs)
+        if not (_all_float32(args) and _all_float32(kwargs.values())):
+            args, kwargs = _cast_call(args, kwargs, torch.float32, _needs_up)
+        local.depth, local.mode = 1, self.region.mode()
+        try:
+            with local.mode:
+                out = type(self.module).forward(self.module, *args, **kwargs)
+        finally:
+            local.depth, local.mode = 0, None
+        return out if isinstance(out, torch.Tensor) and out.dtype == torch.float32 else _up(out)
+
+
+class WhiteForward(ForwardBase):
+    """An O1 white-list module's ``forward``: it computes low, and its result is cast back
+    to float32 for its caller after its forward hooks (the last of them,
+    :class:`CastBackLast`; with no hook, here), so the hooks see the low result as under
+    ``torch.autocast``. Called directly it answers the same (a checkpointed
+    recomputation calls submodules directly: it must compute what the forward did).
+
+    ``inner`` runs it: None for a one-call layer (its white-list call decided by the
+    region's mode, the result kept low), a forced-low
+    :class:`~mixprec.convert.runtime.RuntimeForward` for a module run whole in low
+    precision, an :class:`InputsLowForward` for a layer subclass with its own forward.
+    """
+
+    def __init__(self, module: nn.Module, region: Region, inner: Callable[..., Any] | None) -> None:
+        self.module = module
+        self.region = region
+        self.inner = inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        local = self.region.local
+        if getattr(local, "depth", 0):  # inside the model
+            return self._finish(local.mode, self._run(local.mode, args, kwargs))
+        local.depth, local.mode = 1, self.region.mode()
+        try:
+            with local.mode:
+                return self._finish(local.mode, self._run(local.mode, args, kwargs))
+        finally:
+            local.depth, local.mode = 0, None
+
+    def _finish(self, mode: RuntimeListMode, out: Any) -> Any:
+        if self.module._forward_hooks or _global_forward_hooks:
+            return out  # CastBackLast casts it back after the hooks
+        return mode.cast_back(out)
+
+    def _run(self, mode: RuntimeListMode, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        mode.back = False  # the layer's one white-list call keeps its result low
+        try:
+            return type(self.module).forward(self.module, *args, **kwargs)
+        finally:
+            mode.back = True
+
+
+class CastBackLast(collections.OrderedDict):
+    """A one-call white-list layer's ``_forward_hooks``: the user's hooks, then (as the
+    last hook, whatever is registered later) the cast of the layer's result back to
+    float32 (remembered by the running call's mode, so the next white-list op takes the
+    low original)."""
+
+    def __init__(self, hooks: dict[int, Any], region: Region) -> None:
+        super().__init__(hooks)
+        self.region = region
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (CastBackLast, (dict(self), self.region))
+
+    def items(self) -> Any:
+        yield from super().items()
+        yield (-1, self._cast_back)
+
+    def _cast_back(self, module: nn.Module, args: Any, output: Any) -> Any:
+        local = self.region.local
+        mode = local.mode if getattr(local, "depth", 0) else None
+        return _up(output) if mode is None else mode.cast_back(output)
+
+
+class InputsLowForward(ForwardBase):
+    """O1: a subclass of a built-in white-list layer with a ``forward`` of its own
+    (torchao's ``Float8Linear``): floating inputs cast down, its own code run as written
+    (it decides what its weights compute in)."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        self.module = module
+        self.dtype = dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _cast_floating((args, kwargs), self.dtype)
+        with standing_aside():
+            return type(self.module).forward(self.module, *args, **kwargs)
+
+
+#: Built-in white-list layers whose ``forward`` is one call of a white-list function: at
+#: O1 the call is decided by the function, so the layer needs no forward of its own.
+_ONE_CALL_LAYERS: tuple[tuple[type[nn.Module], Callable[..., Any]], ...] = (
+    (nn.Linear, F.linear),
+    (nn.Bilinear, F.bilinear),
+    (nn.Conv1d, F.conv1d),
+    (nn.Conv2d, F.conv2d),
+    (nn.Conv3d, F.conv3d),
+    (nn.ConvTranspose1d, F.conv_transpose1d),
+    (nn.ConvTranspose2d, F.conv_transpose2d),
+    (nn.ConvTranspose3d, F.conv_transpose3d),
+)
+
+
+class O1Kind(enum.Enum):
+    """How O1 runs one white-list module."""
+
+    ONE_CALL = "one white-list call"
+    INPUTS_LOW = "inputs cast down, its own code"
+    WHOLE = "runs whole in low precision"
+
+
+def o1_kind(module: nn.Module, region: Region) -> O1Kind:
+    """How O1 runs ``module``, a module on the recipe's white list."""
+    for cls, function in _ONE_CALL_LAYERS:
+        if isinstance(module, cls):
+            if type(module).forward is not cls.forward:
+                return O1Kind.INPUTS_LOW
+            if region.table.get(function) is Precision.LOW:
+                return O1Kind.ONE_CALL
+    return O1Kind.WHOLE
+
+
+def convert_o1(network: nn.Module, recipe: Recipe) -> nn.Module:
+    """The structural copy of ``network`` whose modules run O1 at run time (see the
+    module docstring); :func:`mixprec.explain` reads its plan."""
+    root = structural_copy(network)
+    region = Region(recipe)
+    seen: set[int] = set()
+    for path, module, scopes in _walk(root, "", (("", root),)):
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        pin = _pin(recipe, scopes)
+        white = isinstance(module, recipe.white_modules)
+        kind = o1_kind(module, region) if white else None
+        units = [m for _, m in scopes[:-1] if isinstance(m, recipe.white_modules)]
+        inside_low = (pin is Precision.LOW and recipe.pinned(module, path) is None) or any(
+            o1_kind(m, region) is O1Kind.WHOLE for m in units
+        )
+        if pin is Precision.FP32 or isinstance(module, parametrize.ParametrizationList):
+            set_forward(module, Fp32Forward(module, recipe.device_type))  # (its math: float32)
+        elif inside_low:  # inside a module run whole in low precision
+            set_forward(module, RuntimeForward(module, recipe, scopes, None, Precision.LOW))
+        elif pin is Precision.LOW or white:
+            inner: Callable[..., Any] | None = None
+            if pin is Precision.LOW or kind is O1Kind.WHOLE:
+                reason = O1Kind.WHOLE.value
+                inner = RuntimeForward(module, recipe, scopes, None, Precision.LOW, reason)
+            elif kind is O1Kind.INPUTS_LOW:
+                inner = InputsLowForward(module, recipe.dtype)
+            set_forward(module, WhiteForward(module, region, inner))
+            set_forward_hooks(module, CastBackLast(module._forward_hooks, region))
+        elif type(module).forward is not nn.Module.forward:
+            under = any(isinstance(m, FAST_PATH_MODULES) for _, m in scopes[:-1])
+            set_forward(module, ListedForward(module, region, under_fast_path=under))
+    root.__dict__[CONVERSION_ATTR] = Conversion(recipe, static_plan(root, recipe))
+    add_repr_note(root, f"mixprec: {recipe.describe()}")
+    return root
+
+
+def _pin(recipe: Recipe, scopes: Scopes) -> Precision | None:
+    """The innermost pin in scope, if any."""
+    for path, module in reversed(scopes):
+        pin = recipe.pinned(module, path)
+        if pin is not None:
+            return pin
+    return None
 
 
 def _precision(recipe: Recipe, scopes: Scopes) -> Precision | None:
@@ -197,11 +513,27 @@ def static_plan(root: nn.Module, recipe: Recipe) -> CastPlan:
         if any(id(m) in inside_unit for _, m in scopes[:-1]):
             continue
         forward = module.__dict__.get("forward")
+        if isinstance(forward, WhiteForward) and forward.inner is not None:
+            forward = forward.inner
         if isinstance(forward, RuntimeForward):
             inside_unit.add(id(module))
             rows.append(unit_weight_rows(module, path, recipe, inputs=True))
             continue
-        if isinstance(forward, AutocastForward) and forward.as_written:
+        if isinstance(forward, InputsLowForward):
+            rows.append(
+                PlanRow.make(
+                    path,
+                    type(module).__name__,
+                    low,
+                    [("floating inputs", low)],
+                    [("floating outputs", torch.float32)],
+                    kind=RowKind.UNIT,
+                    note="its own code decides its weights",
+                )
+            )
+            inside_unit.add(id(module))
+            continue
+        if isinstance(forward, (AutocastForward, ListedForward)) and forward.as_written:
             reason = "has a built-in fast path chosen from run-time values; runs its own code"
             runtime.append((path, reason))
             rows.append(
@@ -223,7 +555,8 @@ def static_plan(root: nn.Module, recipe: Recipe) -> CastPlan:
             ]
             rows.append(PlanRow.make(path, op, low, weights, kind=RowKind.MODULE))
         else:
-            shown = "float32" if precision is Precision.FP32 else "follows inputs"
+            follows = precision is Precision.FOLLOW and recipe.level is not Level.O1
+            shown = "follows inputs" if follows else "float32"
             rows.append(PlanRow.make(path, op, shown, kind=RowKind.MODULE))
     return CastPlan(
         level=recipe.level.value,
@@ -232,3 +565,15 @@ def static_plan(root: nn.Module, recipe: Recipe) -> CastPlan:
         runtime_parts=tuple(p for p, _ in runtime),
         runtime_reasons=tuple(r for _, r in runtime),
     )
+
+
+def unit_weight_rows(module: nn.Module, path: str, recipe: Recipe, inputs: bool) -> PlanRow:
+    """The row of a unit run at run time: every floating weight cast once per call (and
+    its floating inputs, when its caller does not cast them)."""
+    seen: set[int] = set()
+    casts = [("floating inputs", recipe.dtype)] if inputs else []
+    for name, tensor in module.named_parameters():
+        if is_castable(tensor) and tensor.dtype != recipe.dtype and id(tensor) not in seen:
+            seen.add(id(tensor))
+            casts.append((qualified_name(path, name), recipe.dtype))
+    return PlanRow.make(path, type(module).__name__, recipe.dtype, casts, kind=RowKind.UNIT)

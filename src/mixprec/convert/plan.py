@@ -123,8 +123,6 @@ class CastPlan:
         level: the level the network was converted to.
         dtype: the low-precision dtype.
         rows: one per op or module, in execution order.
-        casts_removed: redundant casts removed after insertion (fp32 round trips between
-            low-precision ops, duplicate casts of one value).
         runtime_parts: modules whose own code is not a graph: the lists are applied to
             their own ops at run time (or, for built-in fast paths, the code runs as
             written), and those ops' casts are not counted here.
@@ -135,7 +133,6 @@ class CastPlan:
     level: str
     dtype: str
     rows: tuple[PlanRow, ...]
-    casts_removed: int = 0
     runtime_parts: tuple[str, ...] = ()
     runtime_reasons: tuple[str, ...] = ()
     assumption: str = "each floating input is one float32 tensor"
@@ -167,7 +164,6 @@ class CastPlan:
             "assumption": self.assumption,
             "totals": {
                 "casts_per_forward": self.num_casts,
-                "casts_removed": self.casts_removed,
                 "ops_low": self.ops_low,
                 "ops": len(self.rows),
                 "runtime_parts": len(self.runtime_parts),
@@ -211,7 +207,7 @@ class CastPlan:
             "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in body
         ]
         lines.append(
-            f"totals: {self.num_casts} casts per forward, {self.casts_removed} redundant casts removed, "
+            f"totals: {self.num_casts} casts per forward, "
             f"{self.ops_low} of {len(self.rows)} ops in {self.dtype}, "
             f"{len(self.runtime_parts)} parts decided at run time"
             + (

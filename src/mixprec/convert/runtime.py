@@ -1,16 +1,15 @@
-"""The lists, applied at run time, to the ops of a forward that cannot be a graph.
+"""The lists, applied at run time, to the ops of a module's own forward.
 
-A module whose own ``forward`` cannot be captured keeps its code; its children are
-converted like any other part of the model, and the ops of its own ``forward`` run under
-:class:`RuntimeListMode`, a ``TorchFunctionMode`` that makes, call by call, the decision
-the graph rewrite would have made ahead of time (the same
-:meth:`mixprec.policy.levels.Recipe.decide`).
+O1 runs every module's own code under :class:`RuntimeListMode` (see
+:mod:`mixprec.convert.autocast`), and both run-time levels run a module pinned low, or
+run whole in low precision, under a forced-low one: a ``TorchFunctionMode`` that makes,
+call by call, the decision of :meth:`mixprec.policy.levels.Recipe.decide`.
 
 The decisions are made once, when the model is converted: a table from torch function
 to precision, so a call costs one dict lookup and no string handling (``torch.compile``
 traces the mode without a graph break per op). The mode is entered with a ``with``
 block, so it is exited even when the forward raises, and it stands aside while a
-converted child runs (the child has its own casts): see :func:`standing_aside`.
+child with a forward of its own (a pin) runs: see :func:`standing_aside`.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode, get_overridable_functions
 
@@ -33,7 +31,6 @@ from mixprec.policy.ops import cast_tree, op_key, op_name, widest_dtype
 
 __all__ = [
     "ForwardBase",
-    "PlainForward",
     "RuntimeForward",
     "RuntimeListMode",
     "any_nested",
@@ -80,10 +77,7 @@ def decision_table(
         return cache[key]
 
     def decide(key: Any) -> Precision:
-        precision = force or recipe.decide(key, scopes)
-        if precision is Precision.FOLLOW and recipe.level is Level.O1:
-            return Precision.FP32  # O1: what the list leaves out computes in float32
-        return precision
+        return force or recipe.decide(key, scopes)
 
     default = decide(_UNLISTED)
     table: dict[Any, Precision] = {}
@@ -91,11 +85,29 @@ def decision_table(
         precision = Precision.FOLLOW if in_place else decide(op)
         if precision is not default:
             table[func] = precision
-    for func in recipe.leaf_functions:
-        table[func] = decide(op_key(func))
     if cache is not None:
         cache[key] = (table, default)
     return table, default
+
+
+@functools.cache
+def _inplace_position(func: Callable[..., Any]) -> int | None:
+    """The position of ``func``'s ``inplace`` parameter (``F.relu``), or None."""
+    try:
+        names = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index("inplace") if "inplace" in names else None
+
+
+def _writes_in_place(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """Does this call write into its input (``inplace=True``, by keyword or position)?"""
+    at = _inplace_position(func)
+    if at is None:
+        return False
+    return kwargs.get("inplace") is True or (len(args) > at and args[at] is True)
 
 
 class RuntimeListMode(TorchFunctionMode):
@@ -113,21 +125,34 @@ class RuntimeListMode(TorchFunctionMode):
         # one cast per value and dtype in this call: id -> (source, version, dtype, cast)
         self.memo: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int, torch.Tensor]] = {}
 
-    def _cast(self, tree: Any, dtype: torch.dtype) -> Any:
-        def one(leaf: Any) -> Any:
-            if not isinstance(leaf, torch.Tensor) or leaf.dtype == dtype or not is_castable(leaf):
-                return leaf
-            if torch.compiler.is_compiling():  # the compiler removes repeated casts itself,
-                return leaf.to(dtype)  # and a dict it traced through would need guards
-            key = (id(leaf), dtype)
-            hit = self.memo.get(key)
-            if hit is not None and hit[0] is leaf and hit[1] == leaf._version:
-                return hit[2]
-            low = leaf.to(dtype)
-            self.memo[key] = (leaf, leaf._version, low)
-            return low
+    def _cast_one(self, leaf: Any, dtype: torch.dtype) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, (list, tuple)) and leaf:  # a TensorList (einsum, RNN weights)
+                return type(leaf)(self._cast_one(item, dtype) for item in leaf)
+            return leaf
+        if leaf.dtype == dtype or not is_castable(leaf):
+            return leaf
+        if torch.compiler.is_compiling():  # the compiler removes repeated casts itself,
+            return leaf.to(dtype)  # and a dict it traced through would need guards
+        key = (id(leaf), dtype)
+        hit = self.memo.get(key)
+        if hit is not None and hit[0] is leaf and hit[1] == leaf._version:
+            return hit[2]
+        cast = leaf.to(dtype)
+        self.memo[key] = (leaf, leaf._version, cast)
+        return cast
 
-        return pytree.tree_map(one, tree)
+    def cast_back(self, out: Any) -> Any:
+        """O1: a low result, cast back to float32 (remembered, so a white-list op that
+        takes it next uses the low original instead of casting it down again)."""
+        if not isinstance(out, torch.Tensor):
+            return cast_tree(out, torch.float32)
+        if out.dtype != self.dtype:
+            return out
+        up = out.to(torch.float32)
+        if not torch.compiler.is_compiling():
+            self.memo[(id(up), self.dtype)] = (up, up._version, out)
+        return up
 
     def __torch_function__(
         self,
@@ -136,21 +161,26 @@ class RuntimeListMode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         precision = self.table.get(func, self.default)
         if self.suspended or precision is Precision.FOLLOW:
             return func(*args, **kwargs)
         if precision is Precision.LOW:
+            if _writes_in_place(func, args, kwargs):  # F.relu(x, inplace=True): x itself
+                return func(*args, **kwargs)
             dtype: torch.dtype | None = self.dtype
         elif precision is Precision.FP32:
             dtype = torch.float32
         else:
             dtype = widest_dtype(args, kwargs)
         if dtype is not None:
-            args, kwargs = self._cast((args, kwargs), dtype)
+            args = tuple([self._cast_one(a, dtype) for a in args])
+            if kwargs:
+                kwargs = {k: self._cast_one(v, dtype) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
         if precision is Precision.LOW and self.back:
-            out = cast_tree(out, torch.float32)
+            return self.cast_back(out)
         return out
 
 
@@ -232,20 +262,5 @@ class RuntimeForward(ForwardBase):
             with standing_aside():
                 return type(self.module).forward(self.module, *args, **kwargs)
         with standing_aside(), RuntimeListMode(self.table, self.default, self.dtype, self.back):
-            out = type(self.module).forward(self.module, *args, **kwargs)
-        return out if self.output_dtype is None else cast_tree(out, self.output_dtype)
-
-
-class PlainForward(ForwardBase):
-    """The ``forward`` of a module whose own code runs as written (a built-in fast path
-    whose choice depends on run-time values); its children are converted."""
-
-    def __init__(self, module: nn.Module, output_dtype: torch.dtype | None, reason: str) -> None:
-        self.module = module
-        self.output_dtype = output_dtype
-        self.reason = reason
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with standing_aside():
             out = type(self.module).forward(self.module, *args, **kwargs)
         return out if self.output_dtype is None else cast_tree(out, self.output_dtype)

@@ -109,6 +109,11 @@ def set_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
     module.__dict__["forward"] = forward
 
 
+def set_forward_hooks(module: nn.Module, hooks: dict[int, Any]) -> None:
+    """Make ``hooks`` (a dict holding the same hooks) the module's ``_forward_hooks``."""
+    module.__dict__["_forward_hooks"] = hooks
+
+
 def set_parameters(module: nn.Module, table: dict[str, Any]) -> None:
     """Make ``table`` (a dict holding the same Parameters) the module's ``_parameters``."""
     module.__dict__["_parameters"] = table
