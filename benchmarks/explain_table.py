@@ -12,10 +12,10 @@ from __future__ import annotations
 import warnings
 
 import torch
-from test_explain_exact import MODELS
 
 import mixprec as amp
 from mixprec.inspect import CastCounter
+from test_explain_exact import MODELS
 
 LEVELS = ("O1", "autocast", "O2", "O3")
 
