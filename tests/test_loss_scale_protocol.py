@@ -85,3 +85,34 @@ def test_the_protocol_methods_directly(name: str) -> None:
     manager.abandon()
     manager.update_on_device(found, None)
     assert manager.get_loss_scale() == 2.0**10  # one clean step of a 100-step window
+
+
+@pytest.mark.parametrize("name", list(MANAGERS))
+def test_the_step_holds_a_policy_object_for_every_manager(name: str) -> None:
+    model = _mlp()
+    manager = MANAGERS[name]()
+    step = amp.build_train_network(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), "O0",
+        loss_scale_manager=manager,
+    )  # fmt: skip
+    assert isinstance(step.scaling, amp.LossScaleManager)
+    assert step.loss_scale_manager is manager  # None stays None for the user
+    scale = step.scaling.scale_on(torch.device("cpu"))
+    assert (scale is None) == (manager is None)
+    assert step.scaling.is_fixed() == (name == "fixed")
+
+
+def test_no_loss_scale_scales_nothing_checks_and_never_changes() -> None:
+    from mixprec.training.scaling import NoLossScale
+
+    none = NoLossScale()
+    grads = [torch.tensor([1.0, math.inf])]
+    found = none.unscale_step(grads, grads, torch.ones(()), agree=None)
+    assert float(found) == 1.0
+    assert none.get_drop_overflow_update()
+    none.after_step(found, None, overflow=lambda: pytest.fail("no host read"))
+    assert none.scale_on(torch.device("cpu")) is None
+    assert none.device_state() is None
+    assert none.decides_on_device()
+    assert none.get_loss_scale() == 1.0
+    assert repr(none) == "NoLossScale()"

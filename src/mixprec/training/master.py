@@ -11,6 +11,11 @@ optimizer was built on) become the float32 *masters*:
 3. the low-precision copies are refreshed from the masters (:meth:`MasterWeights.refresh`,
    one ``_foreach_copy_`` per dtype).
 
+Hooks on the user's Parameters run as on the original model, once per backward: a
+``register_hook`` hook on the float32 gradient (what it returns replaces it), then a
+``register_post_accumulate_grad_hook`` hook once the master's ``.grad`` holds it (both after
+the backward, when the gradients reach the masters).
+
 One source of truth: before every forward of the converted model (through the step or
 called directly), :meth:`MasterWeights.sync` looks at the version
 counters and ``requires_grad`` of both copies (freezing or unfreezing either copy after the
@@ -135,6 +140,8 @@ class MasterWeights:
             )
             self._has_grad[i] = True
             self.lows[i].grad = None
+        for i in [i for i in grads if self.masters[i]._backward_hooks]:
+            grads[i] = _run_grad_hooks(self.masters[i], grads[i].float())
         add = [i for i in grads if self._has_grad[i]]
         copy = [i for i in grads if not self._has_grad[i]]
         if add:
@@ -146,6 +153,9 @@ class MasterWeights:
             self.masters[i].grad = self._buffers[i]
             self.lows[i].grad = None
         self._accumulating = True
+        for i in grads:  # as autograd runs them on the original, once per backward
+            for post_hook in tuple(_post_hooks(self.masters[i])):
+                post_hook(self.masters[i])
 
     def step_done(self) -> None:
         """The next backward starts a new accumulation."""
@@ -196,6 +206,21 @@ class MasterWeights:
         for master, tensor in zip(self.masters, self.check(tensors), strict=True):
             master.copy_(tensor)
         self.refresh()
+
+
+def _run_grad_hooks(master: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The hooks the user registered on a master (``register_hook``), run on this
+    backward's float32 gradient as autograd would run them; a returned tensor replaces it."""
+    for hook in tuple((master._backward_hooks or {}).values()):
+        replaced = hook(grad)
+        if replaced is not None:
+            grad = replaced
+    return grad
+
+
+def _post_hooks(master: torch.Tensor) -> Any:
+    hooks = getattr(master, "_post_accumulate_grad_hooks", None)
+    return () if hooks is None else hooks.values()
 
 
 @torch.no_grad()

@@ -47,10 +47,10 @@ from mixprec.distributed.replicas import Replicas
 from mixprec.distributed.step import Agreement, local_shard, without_ddp_prefix
 from mixprec.policy.levels import Level
 from mixprec.policy.ops import cast_tree
-from mixprec.training.grads import _inverse_scale, _unscale_grads, mark_unscaled, total_norm
+from mixprec.training.grads import _inverse_scale, mark_unscaled, total_norm
 from mixprec.training.master import MasterWeights
 from mixprec.training.scale_state import FLOAT32_MAX
-from mixprec.training.scaling import LossScaleManager, overflow_limit_message
+from mixprec.training.scaling import LossScaleManager, NoLossScale, overflow_limit_message
 from mixprec.training.step_state import (
     StepLedger,
     check_checkpoint,
@@ -284,7 +284,8 @@ class TrainStep(nn.Module):
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.config = config
-        self.loss_scale_manager = manager
+        #: the loss-scale policy; :class:`NoLossScale` without a manager
+        self.scaling: LossScaleManager = NoLossScale() if manager is None else manager
         self.masters = masters
         self.hooks = hooks or StepHooks()
         self.optimizer_steps = 0
@@ -331,12 +332,16 @@ class TrainStep(nn.Module):
         return self._ledger.read()[2]
 
     @property
+    def loss_scale_manager(self) -> LossScaleManager | None:
+        """The manager the step was built with (None: no loss scaling)."""
+        return None if isinstance(self.scaling, NoLossScale) else self.scaling
+
+    @property
     def loss_scale(self) -> float:
-        manager = self.loss_scale_manager
-        if manager is None or self._warming_up:
+        if self._warming_up:
             return 1.0
-        state = manager.device_state()
-        return float(state.scale) if state is not None else float(manager.get_loss_scale())
+        state = self.scaling.device_state()
+        return float(state.scale) if state is not None else float(self.scaling.get_loss_scale())
 
     @property
     def grad_norm(self) -> float:
@@ -412,23 +417,12 @@ class TrainStep(nn.Module):
         return loss.detach()
 
     def _scale_tensor(self, device: torch.device) -> torch.Tensor | None:
-        manager = self.loss_scale_manager
-        if manager is None or self._warming_up:
-            return None
-        state = manager.device_state()
-        if state is None:  # a manager with its own host API: a host float each step
-            return torch.tensor(float(manager.get_loss_scale()), device=device)
-        if state.scale.device != device:
-            manager._to(device)
-            state = manager.device_state()
-        assert state is not None
-        return state.scale
+        return None if self._warming_up else self.scaling.scale_on(device)
 
     def _abandon(self) -> None:
         """Drop every gradient of an abandoned step (and its accumulation)."""
         self._micro_step = 0
-        if self.loss_scale_manager is not None:
-            self.loss_scale_manager.abandon()
+        self.scaling.abandon()
         if self.masters is not None:
             self.masters.clear_grads()
         self.optimizer.zero_grad(set_to_none=True)
@@ -442,28 +436,24 @@ class TrainStep(nn.Module):
             if p.grad is not None
         ]
         grads = [p.grad for p in params]
-        manager = self.loss_scale_manager
-        state = None if manager is None else manager.device_state()
-        check = manager is None or manager.get_drop_overflow_update()
+        manager = self.scaling
+        state = manager.device_state()
+        check = manager.get_drop_overflow_update()
         device = grads[0].device if grads else self.found_inf.device
         ledger = self._ledger.snapshot()
         done = False
         try:
             with torch.no_grad():
                 local = [local_shard(g) for g in grads]  # FSDP2: each rank checks its own shard
-            scale = None if self._warming_up else self._scale_tensor(device)
+            scale = self._scale_tensor(device)
             # one fused pass unscales and checks; with no scale it multiplies by exactly 1,
             # which on CPU is several times faster than an inf-norm reduction
             inverse = torch.ones((), device=device) if scale is None else _inverse_scale(scale)
             chosen = None
-            if manager is None:
-                found = _unscale_grads(local, inverse)
-            else:
-                replicas = self.agreement.replicas
-                by_gradients = self.agreement.by_gradients  # DDP: already the same everywhere
-                active = replicas.active and not by_gradients
-                agree = replicas.all_reduce_max if active else None
-                found = manager.unscale_step(params, local, inverse, agree)
+            replicas = self.agreement.replicas
+            by_gradients = self.agreement.by_gradients  # DDP: already the same everywhere
+            agree = replicas.all_reduce_max if replicas.active and not by_gradients else None
+            found = manager.unscale_step(params, local, inverse, agree)
             if self._warming_up and state is not None and state.dynamic:
                 chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
             found, chosen = self.agreement.agree(
@@ -475,7 +465,7 @@ class TrainStep(nn.Module):
                 self.hooks.after_unscale(self, params)
             on_device = (
                 check
-                and (manager is None or state is not None)
+                and manager.decides_on_device()
                 and not self.hooks.need_host_decision
                 and self._debugger is None
                 and _fused_skip_ready(self.optimizer)
@@ -496,7 +486,7 @@ class TrainStep(nn.Module):
                 self._optimizer_step(found if on_device else None)
                 if self.masters is not None:
                     self.masters.refresh()
-            self._update_scale(manager, state, found, chosen)
+            self._update_scale(found, chosen)
             if applied is True and self.hooks.lr_scheduler is not None:
                 self.hooks.lr_scheduler.step()
             if applied is False and self._debugger is not None and self._batch is not None:
@@ -530,29 +520,16 @@ class TrainStep(nn.Module):
         finally:
             del optimizer.grad_scale, optimizer.found_inf
 
-    def _update_scale(
-        self,
-        manager: LossScaleManager | None,
-        state: Any,
-        found: torch.Tensor,
-        chosen: torch.Tensor | None,
-    ) -> None:
-        if manager is None:
-            return
-        if state is None:
-            manager.update_loss_scale(self._ledger.read()[0])
-            return
+    def _update_scale(self, found: torch.Tensor, chosen: torch.Tensor | None) -> None:
         settled = None if chosen is None else settled_initial_scale(chosen)
-        manager.update_on_device(found, settled)
+        self.scaling.after_step(found, settled, lambda: self._ledger.read()[0])
 
     def _check_limits(self, known: bool) -> None:
         if not known and self.optimizer_steps % self.LIMIT_CHECK_INTERVAL:
             return
         run = self._ledger.read()[2]
         if run > self.MAX_CONSECUTIVE_OVERFLOWS:
-            manager = self.loss_scale_manager
-            state = None if manager is None else manager.device_state()
-            fixed = state is not None and not state.dynamic and not self._warming_up
+            fixed = self.scaling.is_fixed() and not self._warming_up
             raise RuntimeError(
                 "mixprec training step: "
                 + overflow_limit_message(run, min(self.loss_scale, FLOAT32_MAX), fixed=fixed)
@@ -601,9 +578,8 @@ class TrainStep(nn.Module):
         if self._micro_step < self.config.accumulation_steps:
             return
         self._abandon()
-        manager = self.loss_scale_manager
-        state = None if manager is None else manager.device_state()
-        check = manager is None or manager.get_drop_overflow_update()
+        state = self.scaling.device_state()
+        check = self.scaling.get_drop_overflow_update()
         nothing = torch.zeros((), device=self._join_device())
         warm = self._warming_up and state is not None and state.dynamic
         chosen = torch.full_like(nothing, math.inf) if warm else None
@@ -613,7 +589,7 @@ class TrainStep(nn.Module):
             )
             if check:
                 self._ledger.update(found)
-            self._update_scale(manager, state, found, chosen)
+            self._update_scale(found, chosen)
         finally:
             self.optimizer_steps += 1
 
