@@ -306,6 +306,20 @@ class TrainStep(nn.Module):
             self._debugger = OverflowDebugger()
 
     @property
+    def training(self) -> bool:
+        """The network's mode: ``step.train()``/``step.eval()`` set it and
+        ``step.network.train()``/``.eval()`` change it; either is what the other reads."""
+        network = self.__dict__.get("_modules", {}).get("network")
+        return bool(self.__dict__.get("_training", True) if network is None else network.training)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        self.__dict__["_training"] = mode
+        network = self.__dict__.get("_modules", {}).get("network")
+        if network is not None:
+            network.training = mode
+
+    @property
     def last_overflow_report(self) -> Any:
         return None if self._debugger is None else self._debugger.last_report
 
