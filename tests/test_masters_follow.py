@@ -94,3 +94,25 @@ def test_hooks_on_the_users_parameters_fire_as_on_the_original(
     assert seen == [("grad", torch.float32, (3, 6)), ("accumulated", torch.float32, (3, 6))] * 2
     assert torch.equal(model[0].bias, bias)
     assert not torch.equal(model[0].weight, trained)
+
+
+@pytest.mark.parametrize(("level", "dtype"), CASES)
+@pytest.mark.parametrize("write", ["in place", ".data assigned", "load_state_dict"])
+def test_a_submodule_called_directly_computes_with_the_written_weights(
+    level: str, dtype: str, write: str
+) -> None:
+    step, model = _build(level, dtype)
+    x = _batch()[0]
+    step.network[0](x)  # a first direct call (its low copy as built)
+    doubled = model[0].weight.detach() * 2
+    if write == "in place":
+        with torch.no_grad():
+            model[0].weight.mul_(2)
+    elif write == ".data assigned":
+        model[0].weight.data = doubled.clone()
+    else:
+        model[0].load_state_dict({"weight": doubled, "bias": model[0].bias.detach()})
+    low = getattr(torch, dtype)
+    want = nn.functional.linear(x.to(low), doubled.to(low), model[0].bias.detach().to(low))
+    torch.testing.assert_close(step.network[0](x).to(low), want, rtol=0, atol=0)
+    torch.testing.assert_close(step.network[2].weight, model[2].weight.to(low), rtol=0, atol=0)

@@ -117,6 +117,9 @@ class CastState:
         # makes the mode an emulated conversion's calls run under (emulate=True)
         self.emulation: Callable[[], TorchFunctionMode] | None = None
         self.warned = False  # the outer-autocast warning, once per conversion
+        #: runs when a submodule is called directly (not inside a call of the root): the
+        #: master weights reconcile outside writes there as the root's entry does
+        self.on_direct_call: Callable[[], None] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (CastState, (self.dtype,), {"emulation": self.emulation})
@@ -324,6 +327,9 @@ class ModuleCall:
         if _tracing():
             out = self._run(args, kwargs)
         else:
+            direct = self.state.on_direct_call
+            if direct is not None and not self.root and self.state.frame() is None:
+                direct()
             frame = self.state.enter()
             try:
                 out = self._run(args, kwargs)

@@ -16,8 +16,8 @@ Hooks on the user's Parameters run as on the original model, once per backward: 
 ``register_post_accumulate_grad_hook`` hook once the master's ``.grad`` holds it (both after
 the backward, when the gradients reach the masters).
 
-One source of truth: before every forward of the converted model (through the step or
-called directly), :meth:`MasterWeights.sync` looks at the version
+One source of truth: before every forward of the converted model (through the step,
+called directly, or a submodule of it called directly), :meth:`MasterWeights.sync` looks at the version
 counters and ``requires_grad`` of both copies (freezing or unfreezing either copy after the
 build freezes or unfreezes both). A write to a master (``model.load_state_dict``, an in-place edit, a
 weight fixed after it went inf) is copied to the low copy; a write to a low copy alone
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.convert.cast_at_use import low_precision_parameters
+from mixprec.convert.cast_at_use import CastState, low_precision_parameters
 
 __all__ = ["MasterWeights"]
 
@@ -80,6 +80,10 @@ class MasterWeights:
         masters = cls(pairs)
         masters._hook_loading(slots, {id(low): master for master, low in pairs})
         converted.register_forward_pre_hook(masters._sync_hook)  # every entry sees the truth
+        call = converted.__dict__.get("forward")
+        state = getattr(call, "state", None)
+        if isinstance(state, CastState):
+            state.on_direct_call = masters.sync  # a submodule called directly, too
         return masters
 
     def _sync_hook(self, module: nn.Module, args: Any) -> None:
@@ -103,7 +107,10 @@ class MasterWeights:
     @torch.no_grad()
     def sync(self) -> None:
         """Reconcile outside writes before a forward: a written master wins, then a
-        written low copy (copied up to its master)."""
+        written low copy (copied up to its master). Not while a backward recomputes a
+        checkpointed forward: that computes with the weights of the forward it replays."""
+        if torch._C._current_graph_task_id() != -1:
+            return
         changed = False
         for i, (master, low) in enumerate(zip(self.masters, self.lows, strict=True)):
             if master.requires_grad != low.requires_grad:  # frozen or unfrozen after build
