@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -62,7 +62,9 @@ from mixprec.training.step_state import (
 if TYPE_CHECKING:
     from mixprec.boost.plan import BoostPlan
 
-__all__ = ["StepHooks", "StepMetrics", "TrainConfig", "TrainStep"]
+__all__ = ["StepHooks", "StepMetrics", "StepSeam", "TrainConfig", "TrainStep"]
+
+_S = TypeVar("_S", bound="StepSeam")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,36 @@ class TrainConfig:
     auto_loss_scale: bool = False
     #: without loss_fn: the index, key or attribute of the loss in the network's output
     output_loss: int | str | None = None
+
+
+class StepSeam:
+    """A part plugged into the step: the one way anything joins it (the user's hooks, a
+    boost plan, the overflow debugger). Every method does nothing by default; the step
+    calls its seams (``step.seams``) in order.
+    """
+
+    @property
+    def needs_host_decision(self) -> bool:
+        """The seam must know on the host whether an optimizer step ran (so the step does
+        not leave the skip to a fused optimizer on the device)."""
+        return False
+
+    def before_forward(
+        self, step: TrainStep, inputs: tuple[Any, ...], kwargs: dict[str, Any], label: Any
+    ) -> None:
+        """Before a micro-batch's forward: the network's inputs, and the label (None
+        without a ``loss_fn``)."""
+
+    def after_backward(self, step: TrainStep) -> None:
+        """After a micro-batch's backward, also when it raised."""
+
+    def after_unscale(self, step: TrainStep, params: list[torch.Tensor]) -> None:
+        """On every optimizer step, once the gradients are unscaled and ``step.found_inf``
+        is known, before clipping and the optimizer step."""
+
+    def after_step(self, step: TrainStep, applied: bool | None, scale: torch.Tensor | None) -> None:
+        """After an optimizer step and the scale update: ``applied`` is whether it ran (None:
+        decided on the device), ``scale`` the loss scale it used (None: unscaled)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +137,69 @@ class StepHooks:
     def need_host_decision(self) -> bool:
         """``after_skip`` and the scheduler need to know on the host whether the step ran."""
         return self.after_skip is not None or self.lr_scheduler is not None
+
+
+class _UserSeam(StepSeam):
+    """The user's :class:`StepHooks` as a seam."""
+
+    def __init__(self, hooks: StepHooks) -> None:
+        self.hooks = hooks
+
+    @property
+    def needs_host_decision(self) -> bool:
+        return self.hooks.need_host_decision
+
+    def after_unscale(self, step: TrainStep, params: list[torch.Tensor]) -> None:
+        if self.hooks.after_unscale is not None:
+            self.hooks.after_unscale(step, params)
+
+    def after_step(self, step: TrainStep, applied: bool | None, scale: torch.Tensor | None) -> None:
+        if applied is True and self.hooks.lr_scheduler is not None:
+            self.hooks.lr_scheduler.step()
+        if applied is False and self.hooks.after_skip is not None:
+            self.hooks.after_skip(step)
+
+
+class _BoostSeam(StepSeam):
+    """A boost plan's per-call work (the first call's trials, the freeze schedule)."""
+
+    def __init__(self, plan: BoostPlan) -> None:
+        self.plan = plan
+
+    def before_forward(
+        self, step: TrainStep, inputs: tuple[Any, ...], kwargs: dict[str, Any], label: Any
+    ) -> None:
+        self.plan.before_forward(step.network, inputs, step.optimizer_steps)
+
+    def after_backward(self, step: TrainStep) -> None:
+        self.plan.after_backward()
+
+
+class _OverflowSeam(StepSeam):
+    """``debug_overflow=True``: keep each micro-batch, probe it when its step is skipped."""
+
+    @property
+    def needs_host_decision(self) -> bool:
+        return True
+
+    def __init__(self) -> None:
+        from mixprec.diagnose.skip import OverflowDebugger  # an optional wing: lazily
+
+        self.debugger = OverflowDebugger()
+        self.batch: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None
+
+    def before_forward(
+        self, step: TrainStep, inputs: tuple[Any, ...], kwargs: dict[str, Any], label: Any
+    ) -> None:
+        self.batch = (inputs, kwargs, label)
+
+    def after_step(self, step: TrainStep, applied: bool | None, scale: torch.Tensor | None) -> None:
+        if applied is False and self.batch is not None:
+            inputs, kwargs, label = self.batch
+            used = 1.0 if scale is None else float(scale)
+            self.debugger.after_skip(
+                step.network, inputs, kwargs, step.loss_fn, label, loss_scale=used
+            )
 
 
 def _as_loss(value: Any, source: str) -> torch.Tensor:
@@ -287,7 +382,8 @@ class TrainStep(nn.Module):
         #: the loss-scale policy; :class:`NoLossScale` without a manager
         self.scaling: LossScaleManager = NoLossScale() if manager is None else manager
         self.masters = masters
-        self.hooks = hooks or StepHooks()
+        #: the parts plugged in, called in order (see :class:`StepSeam`)
+        self.seams: list[StepSeam] = [_UserSeam(hooks or StepHooks())]
         self.optimizer_steps = 0
         self.found_inf = torch.zeros(())
         self._grad_norm = torch.tensor(math.nan)  # the last applied step's, on the device
@@ -296,14 +392,36 @@ class TrainStep(nn.Module):
         self._micro_step = 0
         self._ledger = StepLedger()
         self._warned = False
-        #: the boost level's decisions and seams (None at boost level O0)
-        self.boost: BoostPlan | None = None
-        self._debugger: Any = None
-        self._batch: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None
         if debug_overflow:
-            from mixprec.diagnose.skip import OverflowDebugger
+            self.seams.insert(0, _OverflowSeam())
 
-            self._debugger = OverflowDebugger()
+    def _seam(self, kind: type[_S]) -> _S | None:
+        return next((seam for seam in self.seams if isinstance(seam, kind)), None)
+
+    @property
+    def hooks(self) -> StepHooks:
+        """The user's seams (``after_unscale``, ``after_skip``, ``lr_scheduler``)."""
+        seam = self._seam(_UserSeam)
+        assert seam is not None
+        return seam.hooks
+
+    @hooks.setter
+    def hooks(self, hooks: StepHooks) -> None:
+        seam = self._seam(_UserSeam)
+        assert seam is not None
+        seam.hooks = hooks
+
+    @property
+    def boost(self) -> BoostPlan | None:
+        """The boost level's decisions (None at boost level O0)."""
+        seam = self._seam(_BoostSeam)
+        return None if seam is None else seam.plan
+
+    @boost.setter
+    def boost(self, plan: BoostPlan | None) -> None:
+        self.seams = [seam for seam in self.seams if not isinstance(seam, _BoostSeam)]
+        if plan is not None:
+            self.seams.insert(0, _BoostSeam(plan))
 
     @property
     def training(self) -> bool:
@@ -321,7 +439,8 @@ class TrainStep(nn.Module):
 
     @property
     def last_overflow_report(self) -> Any:
-        return None if self._debugger is None else self._debugger.last_report
+        seam = self._seam(_OverflowSeam)
+        return None if seam is None else seam.debugger.last_report
 
     # ------------------------------------------------------------------ what happened
     @property
@@ -383,20 +502,17 @@ class TrainStep(nn.Module):
         self.agreement.check_join()
         last = self._micro_step + 1 == self.config.accumulation_steps
         try:
-            if self.boost is not None:
-                network_args = inputs[:-1] if self.loss_fn is not None else inputs
-                self.boost.before_forward(self.network, network_args, self.optimizer_steps)
+            if self.loss_fn is not None and not inputs:
+                raise TypeError(
+                    "step(*inputs, label): the label is the last positional argument; got none"
+                )
+            network_args = inputs[:-1] if self.loss_fn is not None else inputs
+            label = inputs[-1] if self.loss_fn is not None else None
+            for seam in self.seams:
+                seam.before_forward(self, network_args, kwargs, label)
             with self.agreement.communication(last):
                 if self.loss_fn is not None:
-                    if not inputs:
-                        raise TypeError(
-                            "step(*inputs, label): the label is the last positional argument; "
-                            "got none"
-                        )
-                    *net_inputs, label = inputs
-                    if self._debugger is not None:
-                        self._batch = (tuple(net_inputs), kwargs, label)
-                    output = self.agreement.run(self.network, *net_inputs, **kwargs)
+                    output = self.agreement.run(self.network, *network_args, **kwargs)
                     self.last_output = _detached(output)
                     loss = _as_loss(
                         self.loss_fn(
@@ -405,8 +521,6 @@ class TrainStep(nn.Module):
                         "loss_fn",
                     )
                 else:
-                    if self._debugger is not None:
-                        self._batch = (inputs, kwargs, None)
                     output = self.agreement.run(self.network, *inputs, **kwargs)
                     self.last_output = _detached(output)
                     loss = _as_loss(_loss_of(output, self.config.output_loss), "the network")
@@ -422,8 +536,8 @@ class TrainStep(nn.Module):
             self._abandon()
             raise
         finally:
-            if self.boost is not None:
-                self.boost.after_backward()
+            for seam in self.seams:
+                seam.after_backward(self)
         self._micro_step += 1
         if last:
             self._micro_step = 0
@@ -475,13 +589,12 @@ class TrainStep(nn.Module):
             )
             mark_unscaled(grads, found)
             self.found_inf = found
-            if self.hooks.after_unscale is not None:
-                self.hooks.after_unscale(self, params)
+            for seam in self.seams:
+                seam.after_unscale(self, params)
             on_device = (
                 check
                 and manager.decides_on_device()
-                and not self.hooks.need_host_decision
-                and self._debugger is None
+                and not any(seam.needs_host_decision for seam in self.seams)
                 and _fused_skip_ready(self.optimizer)
             )
             applied: bool | None = True  # without a check, every step is applied
@@ -501,17 +614,9 @@ class TrainStep(nn.Module):
                 if self.masters is not None:
                     self.masters.refresh()
             self._update_scale(found, chosen)
-            if applied is True and self.hooks.lr_scheduler is not None:
-                self.hooks.lr_scheduler.step()
-            if applied is False and self._debugger is not None and self._batch is not None:
-                inputs, kwargs, label = self._batch
-                used = 1.0 if scale is None else float(scale)
-                self._debugger.after_skip(
-                    self.network, inputs, kwargs, self.loss_fn, label, loss_scale=used
-                )
-            done = True
-            if applied is False and self.hooks.after_skip is not None:
-                self.hooks.after_skip(self)
+            done = True  # the optimizer stepped and the scale moved: the step counts
+            for seam in self.seams:
+                seam.after_step(self, applied, scale)
         finally:
             if done:  # a step whose optimizer (or anything before it) raised is not counted
                 self.optimizer_steps += 1
