@@ -175,3 +175,23 @@ def test_step_and_network_train_and_eval_agree() -> None:
     assert not step.network[0][1].training
     step.training = True
     assert step.network.training
+
+
+def test_a_transformers_model_given_labels_computes_its_loss_in_float32() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=16, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = transformers.BertForSequenceClassification(config)
+    ids, labels = torch.randint(0, 32, (2, 6)), torch.tensor([0, 2])
+    control = model(input_ids=ids, labels=labels).loss  # float32
+    step = amp.build_train_network(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), level="O2", dtype="bf16"
+    )
+    loss = step(input_ids=ids, labels=labels)
+    logits = step.last_output.logits  # the bf16 logits, returned as float32
+    assert torch.equal(loss, F.cross_entropy(logits, labels))  # computed on them in float32
+    torch.testing.assert_close(loss, control.detach(), rtol=2e-2, atol=0)
