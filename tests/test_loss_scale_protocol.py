@@ -85,3 +85,68 @@ def test_the_protocol_methods_directly(name: str) -> None:
     manager.abandon()
     manager.update_on_device(found, None)
     assert manager.get_loss_scale() == 2.0**10  # one clean step of a 100-step window
+
+
+@pytest.mark.parametrize("name", list(MANAGERS))
+def test_the_step_holds_a_policy_object_for_every_manager(name: str) -> None:
+    model = _mlp()
+    manager = MANAGERS[name]()
+    step = amp.build_train_network(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), "O0",
+        loss_scale_manager=manager,
+    )  # fmt: skip
+    assert isinstance(step.scaling, amp.LossScaleManager)
+    assert step.loss_scale_manager is manager  # None stays None for the user
+    scale = step.scaling.scale_on(torch.device("cpu"))
+    assert (scale is None) == (manager is None)
+    assert step.scaling.is_fixed() == (name == "fixed")
+
+
+def test_no_loss_scale_scales_nothing_checks_and_never_changes() -> None:
+    from mixprec.training.scaling import NoLossScale
+
+    none = NoLossScale()
+    grads = [torch.tensor([1.0, math.inf])]
+    found = none.unscale_step(grads, grads, torch.ones(()), agree=None)
+    assert float(found) == 1.0
+    assert none.get_drop_overflow_update()
+    none.after_step(found, None, overflow=lambda: pytest.fail("no host read"))
+    assert none.scale_on(torch.device("cpu")) is None
+    assert none.device_state() is None
+    assert none.decides_on_device()
+    assert none.get_loss_scale() == 1.0
+    assert repr(none) == "NoLossScale()"
+
+
+def test_one_seam_mechanism_plugs_every_part_in() -> None:
+    from mixprec.training.step import StepSeam
+
+    calls: list[str] = []
+
+    class Recorder(StepSeam):
+        def before_forward(self, step: Any, inputs: Any, kwargs: Any, label: Any) -> None:
+            calls.append(f"before_forward {tuple(inputs[0].shape)} {tuple(label.shape)}")
+
+        def after_backward(self, step: Any) -> None:
+            calls.append("after_backward")
+
+        def after_unscale(self, step: Any, params: Any) -> None:
+            calls.append(f"after_unscale {float(step.found_inf)}")
+
+        def after_step(self, step: Any, applied: Any, scale: Any) -> None:
+            calls.append(f"after_step {applied} {None if scale is None else float(scale)}")
+
+    model = _mlp()
+    step = amp.build_train_network(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), "O0",
+        loss_scale_manager=amp.FixedLossScaleManager(8.0), debug_overflow=True,
+    )  # fmt: skip
+    step.seams.append(Recorder())
+    assert [type(s).__name__ for s in step.seams] == ["_OverflowSeam", "_UserSeam", "Recorder"]
+    step(*_batch())
+    step(*_batch(poison=True))
+    assert calls == [
+        "before_forward (6, 8) (6,)", "after_backward", "after_unscale 0.0", "after_step True 8.0",
+        "before_forward (6, 8) (6,)", "after_backward", "after_unscale 1.0", "after_step False 8.0",
+    ]  # fmt: skip
+    assert step.last_overflow_report is not None  # the debugger is a seam too

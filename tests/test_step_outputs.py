@@ -102,3 +102,96 @@ def test_bad_output_loss_is_refused(value: Any, error: type, match: str) -> None
 def test_output_loss_with_a_loss_fn_is_refused() -> None:
     with pytest.raises(ValueError, match="pass one of them"):
         _build(nn.Linear(6, 3), loss_fn=nn.CrossEntropyLoss(), output_loss=0)
+
+
+class _OwnLoss(nn.Module):
+    """Computes its own loss from its labels and returns an object with ``.loss``, as a
+    transformers model given ``labels`` does (without upcasting the logits itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+        self.loss_dtypes: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        logits = self.fc(x)
+        if labels is None:
+            return logits
+        loss = F.cross_entropy(logits, labels)
+        self.loss_dtypes.append(loss.dtype)
+        return type("Output", (), {"loss": loss, "logits": logits})()
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_model_computing_its_own_loss_computes_it_in_float32(level: str) -> None:
+    x, y = _batch()
+    own, given = _OwnLoss(), _OwnLoss()
+    given.load_state_dict(own.state_dict())
+    control = F.cross_entropy(own(x), y)  # float32
+    by_model = amp.build_train_network(
+        own, torch.optim.SGD(own.parameters(), lr=0.1), level=level, dtype="bf16"
+    )(x, labels=y)
+    by_step = amp.build_train_network(
+        given, torch.optim.SGD(given.parameters(), lr=0.1), nn.CrossEntropyLoss(), level,
+        dtype="bf16",
+    )(x, y)  # fmt: skip
+    assert own.loss_dtypes == [torch.float32]
+    assert torch.equal(by_model, by_step)  # the same bf16 logits, the same float32 loss
+    torch.testing.assert_close(by_model, control, rtol=2e-2, atol=0)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+@pytest.mark.parametrize("pin", [[""], lambda module, name: name == ""])
+def test_a_root_pinned_to_float32_keeps_outputs_and_loss_float32(level: str, pin: Any) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+    x, y = _batch()
+    logits = model(x)
+    control = F.cross_entropy(logits, y)
+    converted = amp.auto_mixed_precision(model, level, "bf16", fp32_modules=pin)
+    assert torch.equal(converted(x), logits)  # bit for bit: nothing is rounded to bf16
+    step = amp.build_train_network(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), level,
+        dtype="bf16", fp32_modules=pin,
+    )  # fmt: skip
+    assert torch.equal(step.network(x), logits)
+    assert torch.equal(step(x, y), control)
+    assert step.last_output.dtype == torch.float32
+
+
+def test_step_and_network_train_and_eval_agree() -> None:
+    model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5), nn.Linear(6, 3))
+    step = _build(nn.Sequential(model), dtype="bf16")
+    assert step.training
+    assert step.network.training
+    step.network.eval()
+    assert not step.training
+    assert not step.network[0][1].training
+    step.train()
+    assert step.training
+    assert step.network[0][1].training
+    step.eval()
+    assert not step.network.training
+    assert not step.network[0][1].training
+    step.training = True
+    assert step.network.training
+
+
+def test_a_transformers_model_given_labels_computes_its_loss_in_float32() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=16, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = transformers.BertForSequenceClassification(config)
+    ids, labels = torch.randint(0, 32, (2, 6)), torch.tensor([0, 2])
+    control = model(input_ids=ids, labels=labels).loss  # float32
+    step = amp.build_train_network(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), level="O2", dtype="bf16"
+    )
+    loss = step(input_ids=ids, labels=labels)
+    logits = step.last_output.logits  # the bf16 logits, returned as float32
+    assert torch.equal(loss, F.cross_entropy(logits, labels))  # computed on them in float32
+    torch.testing.assert_close(loss, control.detach(), rtol=2e-2, atol=0)

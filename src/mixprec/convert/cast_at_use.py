@@ -58,6 +58,12 @@ __all__ = [
 ]
 
 _LOWER_OPS = lists.CPU_LOWER_OPS | lists.CUDA_LOWER_OPS
+#: the loss functions (autocast runs them in float32 on every device)
+_LOSSES = frozenset(
+    name
+    for name in lists.CPU_FP32_OPS | lists.CUDA_FP32_OPS
+    if "loss" in name or "entropy" in name or name == "kl_div"
+)
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
@@ -111,6 +117,9 @@ class CastState:
         # makes the mode an emulated conversion's calls run under (emulate=True)
         self.emulation: Callable[[], TorchFunctionMode] | None = None
         self.warned = False  # the outer-autocast warning, once per conversion
+        #: runs when a submodule is called directly (not inside a call of the root): the
+        #: master weights reconcile outside writes there as the root's entry does
+        self.on_direct_call: Callable[[], None] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (CastState, (self.dtype,), {"emulation": self.emulation})
@@ -206,12 +215,14 @@ class MixedOperands(TorchFunctionMode):
     """autocast's rule for operands a model mixes: an op on autocast's lower-precision
     list whose floating operands mix float32 with ``dtype`` runs in ``dtype``; all-float32
     operands stay float32 (math the model chose to do in float32); other ops follow
-    PyTorch's type promotion."""
+    PyTorch's type promotion. A loss function (``cross_entropy``, ``mse_loss``, ...) with
+    a ``dtype`` operand runs in float32, as the training step computes a loss."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
         self.dtype = dtype
         self._lower: dict[Any, bool] = {}
+        self._loss: dict[Any, bool] = {}
 
     def __torch_function__(
         self,
@@ -226,9 +237,29 @@ class MixedOperands(TorchFunctionMode):
         else:
             known = self._lower.get(func)
             lower = self._lower[func] = op_name(func) in _LOWER_OPS if known is None else known
-        if lower and self._mixed(args, kwargs) and only_plain_tensors(args, kwargs):
-            args, kwargs = cast_tree((args, kwargs), self.dtype)
+        if lower:
+            if self._mixed(args, kwargs) and only_plain_tensors(args, kwargs):
+                args, kwargs = cast_tree((args, kwargs), self.dtype)
+        elif (
+            self._is_loss(func) and self._has_low(args, kwargs) and only_plain_tensors(args, kwargs)
+        ):
+            args, kwargs = cast_tree((args, kwargs), torch.float32)
         return func(*args, **kwargs)
+
+    def _is_loss(self, func: Callable[..., Any]) -> bool:
+        if torch.compiler.is_compiling():
+            return op_name(func) in _LOSSES
+        known = self._loss.get(func)
+        if known is None:
+            known = self._loss[func] = op_name(func) in _LOSSES
+        return known
+
+    def _has_low(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        return any(
+            isinstance(leaf, torch.Tensor) and leaf.dtype == self.dtype
+            for value in (*args, *kwargs.values())
+            for leaf in (value if isinstance(value, (list, tuple)) else (value,))
+        )
 
     def _mixed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         low = wide = False
@@ -263,6 +294,8 @@ class ModuleCall:
         self.module = module
         self.state = state
         self.root = root
+        #: what the root casts floating inputs to: float32 for a root pinned to float32
+        self.input_dtype = torch.float32 if float32 else state.dtype
         self.output_dtype = output_dtype
         self.float32 = float32  # a float32 island: an outer torch.autocast is off inside
         self.inner: Callable[..., Any] | None = module.__dict__.get("forward")
@@ -284,7 +317,7 @@ class ModuleCall:
         given: list[Any] = []
         if self.root:
             given = pytree.tree_leaves((args, kwargs))
-            args, kwargs = cast_tree((args, kwargs), self.state.dtype)
+            args, kwargs = cast_tree((args, kwargs), self.input_dtype)
             if not _tracing():
                 given = [
                     (leaf, cast, _version(cast))
@@ -294,6 +327,9 @@ class ModuleCall:
         if _tracing():
             out = self._run(args, kwargs)
         else:
+            direct = self.state.on_direct_call
+            if direct is not None and not self.root and self.state.frame() is None:
+                direct()
             frame = self.state.enter()
             try:
                 out = self._run(args, kwargs)

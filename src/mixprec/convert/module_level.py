@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from mixprec.convert.cast_at_use import CastState, LowParameters, ModuleCall
 from mixprec.convert.plan import Cast, CastPlan, Conversion, PlanRow, RowKind, dtype_name
@@ -80,15 +79,6 @@ def _cast_output_hook(
         return cast_tree(output, dtype)
 
 
-def _precision(recipe: Recipe, module: nn.Module, path: str, parent: Precision) -> Precision:
-    pin = recipe.pinned(module, path)
-    if pin is not None:
-        return pin
-    if isinstance(module, (*recipe.black_modules, parametrize.ParametrizationList)):
-        return Precision.FP32  # a parametrization's math runs on its float32 original
-    return parent
-
-
 def convert_module_level(
     network: nn.Module,
     recipe: Recipe,
@@ -112,8 +102,11 @@ def convert_module_level(
     root = structural_copy(network) if copy else network
     low = recipe.dtype
     state = CastState(low)
+    # a root pinned to float32 (or on the black list) takes and computes float32 throughout
+    pinned = recipe.module_precision(root, prefix, Precision.LOW) is Precision.FP32
+    given = torch.float32 if pinned else low
     rows: list[PlanRow] = [
-        PlanRow.make(prefix, "inputs", low, [Cast("floating inputs", low)], kind=RowKind.INPUTS)
+        PlanRow.make(prefix, "inputs", given, [Cast("floating inputs", given)], kind=RowKind.INPUTS)
     ]
     seen_modules: set[int] = set()
     seen_tensors: set[int] = set()
@@ -122,9 +115,9 @@ def convert_module_level(
         if id(module) in seen_modules:
             return
         seen_modules.add(id(module))
-        precision = _precision(recipe, module, path, parent)
+        precision = recipe.module_precision(module, path, parent)
         dtype = low if precision is Precision.LOW else torch.float32
-        if precision is not parent:
+        if precision is not parent and module is not root:
             outer = low if parent is Precision.LOW else torch.float32
             module.register_forward_pre_hook(
                 functools.partial(_cast_inputs_hook, dtype), with_kwargs=True
@@ -180,13 +173,12 @@ def convert_module_level(
             PlanRow.make(
                 prefix,
                 "outputs",
-                low,
+                given,
                 (),
                 [Cast("floating outputs", output_dtype)],
                 kind=RowKind.OUTPUTS,
             )
         )
-    pinned = _precision(recipe, root, prefix, Precision.LOW) is Precision.FP32
     set_forward(root, ModuleCall(root, state, root=True, output_dtype=output_dtype, float32=pinned))
     plan = CastPlan(level=recipe.level.value, dtype=dtype_name(low), rows=tuple(rows))
     root.__dict__[CONVERSION_ATTR] = Conversion(recipe, plan)

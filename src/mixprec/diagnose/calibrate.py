@@ -33,11 +33,12 @@ from torch import nn
 
 from mixprec._warn import warn
 from mixprec.convert.api import auto_mixed_precision, check_network
+from mixprec.convert.declared import with_declared_pins
 from mixprec.convert.module_level import convert_module_level
 from mixprec.convert.structure import structural_copy
 from mixprec.diagnose.probes import preserved, tensor_leaves
 from mixprec.policy.dtypes import device_of, dtype_name
-from mixprec.policy.levels import Level, PathPin, make_recipe, resolve
+from mixprec.policy.levels import Level, PathPin, Precision, Recipe, make_recipe, resolve
 
 __all__ = ["CalibrationReport", "ModuleSensitivity", "calibrate", "relative_error"]
 
@@ -172,6 +173,13 @@ class _Search:
             worst = max(worst, value if math.isfinite(value) else math.inf)
         return worst
 
+    def recipe(self, fp32: Sequence[str]) -> Recipe:
+        """The level's recipe with ``fp32`` pinned, plus what the model declares float32
+        (as conversion adds it)."""
+        pin = PathPin(frozenset(fp32)) if fp32 else None
+        recipe = make_recipe(self.level, self.low, self.device, fp32_pin=pin)
+        return with_declared_pins(self.network, recipe)
+
     def children(self, path: str) -> list[str]:
         """The nearest called modules below ``path`` (a ``ModuleList`` is never called:
         its entries are)."""
@@ -185,9 +193,7 @@ class _Search:
 
     def alone(self, path: str) -> nn.Module:
         """The float32 network with only ``path``'s own part in low precision."""
-        recipe = make_recipe(
-            self.level, self.low, self.device, fp32_pin=PathPin(frozenset(self.children(path)))
-        )
+        recipe = self.recipe(self.children(path))
         low_part = convert_module_level(self.modules[path], recipe, prefix=path)
         root = structural_copy(self.network)
         parent, _, name = path.rpartition(".")
@@ -279,10 +285,8 @@ def calibrate(
                 h.remove()
         search.called = set(called)
         hold_refs = [network(*a, **k) for a, k in checks]
-        fp32 = make_recipe(parsed, low, search.device)
-        candidates = [
-            p for p in dict.fromkeys(called) if p and not _always_fp32(fp32, search.modules, p)
-        ]
+        precisions = search.recipe([]).module_precisions(network)
+        candidates = [p for p in dict.fromkeys(called) if p and precisions[p] is not Precision.FP32]
         sensitivity = {p: search.error(search.alone(p), calib, refs) for p in candidates}
         ranked = sorted(candidates, key=lambda p: -sensitivity[p])
         pool = set(candidates)
@@ -333,12 +337,3 @@ def calibrate(
             f"{len(pins)} of {len(ranked)}); returning the best found"
         )
     return result, report
-
-
-def _always_fp32(recipe: Any, modules: Mapping[str, nn.Module], path: str) -> bool:
-    """Is ``path`` (or a module around it) a float32 island at this level anyway?"""
-    parts = path.split(".")
-    return any(
-        recipe.is_fp32_island(modules[".".join(parts[:i])], ".".join(parts[:i]))
-        for i in range(1, len(parts) + 1)
-    )

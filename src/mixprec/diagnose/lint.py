@@ -27,10 +27,11 @@ import torch
 from torch import nn
 
 from mixprec._check import require_module
+from mixprec.convert.declared import with_declared_pins
 from mixprec.convert.module_level import convert_module_level
 from mixprec.policy import lists
 from mixprec.policy.dtypes import device_of, dtype_name
-from mixprec.policy.levels import Level, Recipe, make_recipe, resolve
+from mixprec.policy.levels import Level, Precision, Recipe, make_recipe, resolve
 from mixprec.training.scaling import (
     FixedLossScaleManager,
     LossScaleManager,
@@ -94,27 +95,13 @@ class LintReport:
 
 
 def _runs_low(recipe: Recipe, network: nn.Module) -> dict[str, bool]:
-    """Which modules compute in low precision at this level (by qualified name)."""
-    low: dict[str, bool] = {}
-
-    def visit(module: nn.Module, path: str, parent: bool) -> None:
-        pin = recipe.pinned(module, path)
-        if recipe.level in (Level.O2, Level.O3):
-            here = parent if pin is None else pin.value == "low"
-            if pin is None and isinstance(module, recipe.black_modules):
-                here = False
-        elif recipe.level is Level.O1:  # only white-list modules; their results go back to fp32
-            here = (
-                pin.value == "low" if pin is not None else isinstance(module, recipe.white_modules)
-            )
-        else:  # autocast: low results flow on
-            here = parent if pin is None else pin.value == "low"
-        low[path] = here
-        for name, child in module.named_children():
-            visit(child, f"{path}.{name}" if path else name, here)
-
-    visit(network, "", recipe.level is not Level.O1)
-    return low
+    """Which modules compute in low precision at this level (by qualified name): at the
+    AUTOCAST level the low results of a module flow on through those that follow them."""
+    flows = recipe.level is Level.AUTOCAST
+    return {
+        path: precision is Precision.LOW or (flows and precision is Precision.FOLLOW)
+        for path, precision in recipe.module_precisions(network).items()
+    }
 
 
 def _state_dtype(param: torch.Tensor, level: Level, low: torch.dtype, masters: bool) -> torch.dtype:
@@ -319,6 +306,7 @@ def lint(
             f"{loss_scale_manager!r}"
         )
     recipe = resolve(network, level, dtype, fp32_modules=fp32_modules, argument="level")
+    recipe = with_declared_pins(network, recipe)  # as conversion adds them
     parsed, low = recipe.level, recipe.dtype
     if parsed is Level.O0:
         return LintReport(parsed.value, "float32", ())

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -28,12 +28,13 @@ from torch import nn
 
 from mixprec._check import require_module
 from mixprec.convert.api import auto_mixed_precision
+from mixprec.convert.declared import with_declared_pins
 from mixprec.convert.plan import Conversion
 from mixprec.convert.structure import conversion_of
 from mixprec.diagnose.probes import Event, Phase, Recorder, preserved, tensor_leaves
 from mixprec.diagnose.report import Culprit, Fix, FixKind, OverflowReport
 from mixprec.policy.dtypes import device_of, dtype_name, resolve_dtype
-from mixprec.policy.levels import Level, recommend
+from mixprec.policy.levels import Level, Precision, Recipe, make_recipe, recommend
 from mixprec.policy.ops import cast_tree
 
 __all__ = ["find_overflow", "probe"]
@@ -223,9 +224,11 @@ def find_fix(
     level: Level,
     dtype: torch.dtype | None,
     loss_scale: float,
+    fp32: Collection[str] = (),
 ) -> Fix:
     """The smallest fix a re-run confirms (``rerun`` is None when the unconverted model is
-    not at hand: then the fix is named without a check)."""
+    not at hand: then the fix is named without a check). ``fp32`` names the modules that
+    compute in float32 at this level already: pinning them is no fix."""
     if outcome.finite:
         return Fix(FixKind.NONE, "nothing to fix")
     forward_ok = forward_culprit(outcome.events) is None
@@ -238,6 +241,8 @@ def find_fix(
             loss_scale=outcome.finite_scale,
         )
     module = None if culprit is None or culprit.module.startswith("(") else culprit.module
+    while module and module in fp32:
+        module = module.rpartition(".")[0]
     if rerun is None:
         if module:
             return Fix(FixKind.FP32_MODULE, pin_call(level, dtype, module), module=module)
@@ -253,7 +258,7 @@ def find_fix(
     if module:
         path = module
         while path:
-            if rerun(level, dtype, [path]).finite:
+            if path not in fp32 and rerun(level, dtype, [path]).finite:
                 return Fix(FixKind.FP32_MODULE, pin_call(level, dtype, path), True, path)
             path = path.rpartition(".")[0]
     if dtype == torch.float16 and rerun(level, torch.bfloat16, []).finite:
@@ -330,7 +335,8 @@ def find_overflow(
         recipe = conversion.recipe
         outcome = probe(network, inputs, kwargs, loss_fn, target, loss_scale)
         culprit = forward_culprit(outcome.events) or backward_culprit(outcome.events)
-        fix = find_fix(outcome, culprit, None, recipe.level, recipe.dtype, loss_scale)
+        fp32 = _fp32_modules(recipe, network)
+        fix = find_fix(outcome, culprit, None, recipe.level, recipe.dtype, loss_scale, fp32)
         return report_of(outcome, recipe.level, recipe.dtype, loss_scale, fix)
 
     parsed = Level.parse(level, "level")
@@ -346,5 +352,18 @@ def find_overflow(
 
     outcome = rerun(parsed, low, [])
     culprit = forward_culprit(outcome.events) or backward_culprit(outcome.events)
-    fix = find_fix(outcome, culprit, rerun, parsed, low, loss_scale)
+    at_level = None if low is None else make_recipe(parsed, low, device_of(network))
+    already = (
+        set() if at_level is None else _fp32_modules(with_declared_pins(network, at_level), network)
+    )
+    fix = find_fix(outcome, culprit, rerun, parsed, low, loss_scale, already)
     return report_of(outcome, parsed, low, loss_scale, fix)
+
+
+def _fp32_modules(recipe: Recipe, network: nn.Module) -> set[str]:
+    """The modules that compute in float32 at the recipe's level (none at O0, where a
+    float32 pin changes nothing either; the root aside)."""
+    if recipe.level is Level.O0:
+        return set()
+    precisions = recipe.module_precisions(network)
+    return {path for path, p in precisions.items() if path and p is Precision.FP32}

@@ -109,8 +109,7 @@ def _policy(**kwargs: Any) -> Any:
 
 
 def _is_white(recipe: Recipe, module: nn.Module, name: str) -> bool:
-    pin = recipe.pinned(module, name)
-    return pin is Precision.LOW or (pin is None and isinstance(module, recipe.white_modules))
+    return recipe.module_precision(module, name) is Precision.LOW
 
 
 def _unit(recipe: Recipe, module: nn.Module, name: str, root_low: bool) -> Any:
@@ -124,7 +123,7 @@ def _unit(recipe: Recipe, module: nn.Module, name: str, root_low: bool) -> Any:
         return None
     if not root_low:
         return None
-    if recipe.is_fp32_island(module, name):
+    if recipe.module_precision(module, name, Precision.LOW) is Precision.FP32:
         return _policy(param_dtype=torch.float32, output_dtype=low)
     if pin is None and isinstance(module, lists.FP32_STATE_MODULES):
         return _policy(cast_forward_inputs=False)  # float32 weights, a low input

@@ -8,9 +8,10 @@ string, a dtype spelling, custom lists, pins, ``keep_batchnorm_fp32``) into a fr
 
 A :class:`Recipe` is everything a conversion needs to know: the level, the compute,
 parameter and output dtypes, the lists (as module classes and op keys) and the user's
-pins. Its :meth:`Recipe.decide` is the one place that says which precision an op or
-module runs in; the graph rewrite, the run-time policy for untraceable code and the
-module-level conversion all ask it.
+pins. Its :meth:`Recipe.decide` says which precision an op runs in (the graph rewrite and
+the run-time policy for untraceable code ask it); its :meth:`Recipe.module_precision` says
+what a whole module computes in (module-level conversion, FSDP2 sharding, ``lint``,
+``calibrate`` and ``find_overflow`` ask it).
 
 The levels, in one table (parameters stay float32 and are cast at use at every level):
 
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from mixprec._warn import warn
 from mixprec.policy import lists
@@ -190,12 +192,56 @@ class Recipe:
                 return Precision.PROMOTE
         return Precision.FOLLOW
 
-    def is_fp32_island(self, module: nn.Module, name: str) -> bool:
-        """Module-level levels (O2/O3): does this module run in float32?"""
-        pin = self.pinned(module, name)
+    def module_precision(
+        self, module: nn.Module, path: str, parent: Precision | None = None
+    ) -> Precision:
+        """What ``module`` (qualified name ``path``) computes in at this level.
+
+        The one answer conversion (O2/O3 and whole low units), FSDP2 sharding, ``lint``,
+        ``calibrate`` and ``find_overflow`` share. ``parent`` is the answer for the module
+        around it (None for the root). LOW and FP32 mean the whole module (and what it
+        contains, unless a module inside answers otherwise); FOLLOW means its own ops
+        decide (:meth:`decide`), which happens only at O1 and the AUTOCAST level.
+
+        Order: O0 computes everything in float32; then the module's pin; then a
+        parametrization (its math runs on the float32 original) is float32; then, at
+        O2/O3, a black-list module is float32 and any other follows its parent (the root
+        is low); at O1 (white list) and AUTOCAST (modules run whole low) a parent that is
+        LOW or FP32 decides, then the list, else FOLLOW.
+        """
+        if self.level is Level.O0:
+            return Precision.FP32
+        pin = self.pinned(module, path)
         if pin is not None:
-            return pin is Precision.FP32
-        return isinstance(module, self.black_modules)
+            return pin
+        if isinstance(module, parametrize.ParametrizationList):
+            return Precision.FP32
+        if self.level in (Level.O2, Level.O3):
+            if isinstance(module, self.black_modules):
+                return Precision.FP32
+            return Precision.LOW if parent is None else parent
+        if parent in (Precision.LOW, Precision.FP32):
+            return parent
+        whole = self.white_modules if self.level is Level.O1 else self.unit_modules
+        return Precision.LOW if isinstance(module, whole) else Precision.FOLLOW
+
+    def module_precisions(self, network: nn.Module, prefix: str = "") -> dict[str, Precision]:
+        """:meth:`module_precision` of every module of ``network`` by qualified name (a
+        module reached twice answers at its first place, as conversion treats it)."""
+        answers: dict[str, Precision] = {}
+        seen: set[int] = set()
+
+        def visit(module: nn.Module, path: str, parent: Precision | None) -> None:
+            if id(module) in seen:
+                return
+            seen.add(id(module))
+            here = answers[path] = self.module_precision(module, path, parent)
+            for name, child in module._modules.items():
+                if child is not None:
+                    visit(child, f"{path}.{name}" if path else name, here)
+
+        visit(network, prefix, None)
+        return answers
 
     def describe(self) -> str:
         return f"level={self.level.value}, dtype={dtype_name(self.compute_dtype)}"

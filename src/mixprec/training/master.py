@@ -11,8 +11,13 @@ optimizer was built on) become the float32 *masters*:
 3. the low-precision copies are refreshed from the masters (:meth:`MasterWeights.refresh`,
    one ``_foreach_copy_`` per dtype).
 
-One source of truth: before every forward of the converted model (through the step or
-called directly), :meth:`MasterWeights.sync` looks at the version
+Hooks on the user's Parameters run as on the original model, once per backward: a
+``register_hook`` hook on the float32 gradient (what it returns replaces it), then a
+``register_post_accumulate_grad_hook`` hook once the master's ``.grad`` holds it (both after
+the backward, when the gradients reach the masters).
+
+One source of truth: before every forward of the converted model (through the step,
+called directly, or a submodule of it called directly), :meth:`MasterWeights.sync` looks at the version
 counters and ``requires_grad`` of both copies (freezing or unfreezing either copy after the
 build freezes or unfreezes both). A write to a master (``model.load_state_dict``, an in-place edit, a
 weight fixed after it went inf) is copied to the low copy; a write to a low copy alone
@@ -30,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.convert.cast_at_use import low_precision_parameters
+from mixprec.convert.cast_at_use import CastState, low_precision_parameters
 
 __all__ = ["MasterWeights"]
 
@@ -75,6 +80,10 @@ class MasterWeights:
         masters = cls(pairs)
         masters._hook_loading(slots, {id(low): master for master, low in pairs})
         converted.register_forward_pre_hook(masters._sync_hook)  # every entry sees the truth
+        call = converted.__dict__.get("forward")
+        state = getattr(call, "state", None)
+        if isinstance(state, CastState):
+            state.on_direct_call = masters.sync  # a submodule called directly, too
         return masters
 
     def _sync_hook(self, module: nn.Module, args: Any) -> None:
@@ -98,7 +107,10 @@ class MasterWeights:
     @torch.no_grad()
     def sync(self) -> None:
         """Reconcile outside writes before a forward: a written master wins, then a
-        written low copy (copied up to its master)."""
+        written low copy (copied up to its master). Not while a backward recomputes a
+        checkpointed forward: that computes with the weights of the forward it replays."""
+        if torch._C._current_graph_task_id() != -1:
+            return
         changed = False
         for i, (master, low) in enumerate(zip(self.masters, self.lows, strict=True)):
             if master.requires_grad != low.requires_grad:  # frozen or unfrozen after build
@@ -135,6 +147,8 @@ class MasterWeights:
             )
             self._has_grad[i] = True
             self.lows[i].grad = None
+        for i in [i for i in grads if self.masters[i]._backward_hooks]:
+            grads[i] = _run_grad_hooks(self.masters[i], grads[i].float())
         add = [i for i in grads if self._has_grad[i]]
         copy = [i for i in grads if not self._has_grad[i]]
         if add:
@@ -146,6 +160,9 @@ class MasterWeights:
             self.masters[i].grad = self._buffers[i]
             self.lows[i].grad = None
         self._accumulating = True
+        for i in grads:  # as autograd runs them on the original, once per backward
+            for post_hook in tuple(_post_hooks(self.masters[i])):
+                post_hook(self.masters[i])
 
     def step_done(self) -> None:
         """The next backward starts a new accumulation."""
@@ -196,6 +213,21 @@ class MasterWeights:
         for master, tensor in zip(self.masters, self.check(tensors), strict=True):
             master.copy_(tensor)
         self.refresh()
+
+
+def _run_grad_hooks(master: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The hooks the user registered on a master (``register_hook``), run on this
+    backward's float32 gradient as autograd would run them; a returned tensor replaces it."""
+    for hook in tuple((master._backward_hooks or {}).values()):
+        replaced = hook(grad)
+        if replaced is not None:
+            grad = replaced
+    return grad
+
+
+def _post_hooks(master: torch.Tensor) -> Any:
+    hooks = getattr(master, "_post_accumulate_grad_hooks", None)
+    return () if hooks is None else hooks.values()
 
 
 @torch.no_grad()

@@ -43,6 +43,7 @@ __all__ = [
     "FixedLossScaleManager",
     "LossScaleManager",
     "LossScaler",
+    "NoLossScale",
     "StaticLossScaler",
     "next_dynamic_scale",
 ]
@@ -313,6 +314,37 @@ class LossScaleManager(_Adapter):
     def abandon(self) -> None:
         """A backward was abandoned (an exception, a skip): forget what it recorded."""
 
+    def scale_on(self, device: torch.device) -> torch.Tensor | None:
+        """The 0-dim factor the step multiplies the loss by, on ``device`` (None: the loss
+        is not multiplied). The device state moves there once; a manager with its own host
+        API is asked for a float each step."""
+        state = self.device_state()
+        if state is None:
+            return torch.tensor(float(self.get_loss_scale()), device=device)
+        if state.scale.device != device:
+            self._to(device)
+            state = self._core
+        return state.scale
+
+    def decides_on_device(self) -> bool:
+        """Whether the step may leave the skip to the device (no host read of the flag)."""
+        return self.device_state() is not None
+
+    def after_step(
+        self, found: torch.Tensor, chosen: torch.Tensor | None, overflow: Callable[[], bool]
+    ) -> None:
+        """Apply the rule after an optimizer step (``found``: the agreed overflow flag;
+        ``overflow()`` reads it on the host, for a manager with its own host API)."""
+        if self.device_state() is None:
+            self.update_loss_scale(overflow())
+        else:
+            self.update_on_device(found, chosen)
+
+    def is_fixed(self) -> bool:
+        """A scale that never changes (the overflow-limit message may blame it)."""
+        state = self.device_state()
+        return state is not None and not state.dynamic
+
     def update_on_device(self, found: torch.Tensor, chosen: torch.Tensor | None) -> None:
         """Apply the rule after an optimizer step whose agreed overflow flag is ``found``
         (``chosen``: the first scale picked from the gradients, or None). No host sync;
@@ -445,6 +477,35 @@ class DynamicLossScaleManager(LossScaleManager):
         bad = self.bad_steps
         if bad > self.MAX_CONSECUTIVE_OVERFLOWS:
             raise RuntimeError(overflow_limit_message(bad, self.get_loss_scale()))
+
+
+class NoLossScale(LossScaleManager):
+    """No loss scaling: what a step holds without a manager (``loss_scale_manager=None``).
+
+    The loss is not multiplied, the gradients are checked for overflow (a step with
+    inf/NaN gradients is skipped) and nothing is ever updated; the step reads it as any
+    other manager and shows it as ``step.loss_scale_manager is None``.
+    """
+
+    def scale_on(self, device: torch.device) -> torch.Tensor | None:
+        return None
+
+    def device_state(self) -> LossScaleState | None:
+        return None  # no state for the ranks to agree on
+
+    def decides_on_device(self) -> bool:
+        return True
+
+    def after_step(
+        self, found: torch.Tensor, chosen: torch.Tensor | None, overflow: Callable[[], bool]
+    ) -> None:
+        del found, chosen, overflow
+
+    def is_fixed(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "NoLossScale()"
 
 
 _CORE_UPDATES = (LossScaleManager.update_loss_scale, DynamicLossScaleManager.update_loss_scale)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -47,10 +47,10 @@ from mixprec.distributed.replicas import Replicas
 from mixprec.distributed.step import Agreement, local_shard, without_ddp_prefix
 from mixprec.policy.levels import Level
 from mixprec.policy.ops import cast_tree
-from mixprec.training.grads import _inverse_scale, _unscale_grads, mark_unscaled, total_norm
+from mixprec.training.grads import _inverse_scale, mark_unscaled, total_norm
 from mixprec.training.master import MasterWeights
 from mixprec.training.scale_state import FLOAT32_MAX
-from mixprec.training.scaling import LossScaleManager, overflow_limit_message
+from mixprec.training.scaling import LossScaleManager, NoLossScale, overflow_limit_message
 from mixprec.training.step_state import (
     StepLedger,
     check_checkpoint,
@@ -62,7 +62,9 @@ from mixprec.training.step_state import (
 if TYPE_CHECKING:
     from mixprec.boost.plan import BoostPlan
 
-__all__ = ["StepHooks", "StepMetrics", "TrainConfig", "TrainStep"]
+__all__ = ["StepHooks", "StepMetrics", "StepSeam", "TrainConfig", "TrainStep"]
+
+_S = TypeVar("_S", bound="StepSeam")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,36 @@ class TrainConfig:
     auto_loss_scale: bool = False
     #: without loss_fn: the index, key or attribute of the loss in the network's output
     output_loss: int | str | None = None
+
+
+class StepSeam:
+    """A part plugged into the step: the one way anything joins it (the user's hooks, a
+    boost plan, the overflow debugger). Every method does nothing by default; the step
+    calls its seams (``step.seams``) in order.
+    """
+
+    @property
+    def needs_host_decision(self) -> bool:
+        """The seam must know on the host whether an optimizer step ran (so the step does
+        not leave the skip to a fused optimizer on the device)."""
+        return False
+
+    def before_forward(
+        self, step: TrainStep, inputs: tuple[Any, ...], kwargs: dict[str, Any], label: Any
+    ) -> None:
+        """Before a micro-batch's forward: the network's inputs, and the label (None
+        without a ``loss_fn``)."""
+
+    def after_backward(self, step: TrainStep) -> None:
+        """After a micro-batch's backward, also when it raised."""
+
+    def after_unscale(self, step: TrainStep, params: list[torch.Tensor]) -> None:
+        """On every optimizer step, once the gradients are unscaled and ``step.found_inf``
+        is known, before clipping and the optimizer step."""
+
+    def after_step(self, step: TrainStep, applied: bool | None, scale: torch.Tensor | None) -> None:
+        """After an optimizer step and the scale update: ``applied`` is whether it ran (None:
+        decided on the device), ``scale`` the loss scale it used (None: unscaled)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +137,69 @@ class StepHooks:
     def need_host_decision(self) -> bool:
         """``after_skip`` and the scheduler need to know on the host whether the step ran."""
         return self.after_skip is not None or self.lr_scheduler is not None
+
+
+class _UserSeam(StepSeam):
+    """The user's :class:`StepHooks` as a seam."""
+
+    def __init__(self, hooks: StepHooks) -> None:
+        self.hooks = hooks
+
+    @property
+    def needs_host_decision(self) -> bool:
+        return self.hooks.need_host_decision
+
+    def after_unscale(self, step: TrainStep, params: list[torch.Tensor]) -> None:
+        if self.hooks.after_unscale is not None:
+            self.hooks.after_unscale(step, params)
+
+    def after_step(self, step: TrainStep, applied: bool | None, scale: torch.Tensor | None) -> None:
+        if applied is True and self.hooks.lr_scheduler is not None:
+            self.hooks.lr_scheduler.step()
+        if applied is False and self.hooks.after_skip is not None:
+            self.hooks.after_skip(step)
+
+
+class _BoostSeam(StepSeam):
+    """A boost plan's per-call work (the first call's trials, the freeze schedule)."""
+
+    def __init__(self, plan: BoostPlan) -> None:
+        self.plan = plan
+
+    def before_forward(
+        self, step: TrainStep, inputs: tuple[Any, ...], kwargs: dict[str, Any], label: Any
+    ) -> None:
+        self.plan.before_forward(step.network, inputs, step.optimizer_steps)
+
+    def after_backward(self, step: TrainStep) -> None:
+        self.plan.after_backward()
+
+
+class _OverflowSeam(StepSeam):
+    """``debug_overflow=True``: keep each micro-batch, probe it when its step is skipped."""
+
+    @property
+    def needs_host_decision(self) -> bool:
+        return True
+
+    def __init__(self) -> None:
+        from mixprec.diagnose.skip import OverflowDebugger  # an optional wing: lazily
+
+        self.debugger = OverflowDebugger()
+        self.batch: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None
+
+    def before_forward(
+        self, step: TrainStep, inputs: tuple[Any, ...], kwargs: dict[str, Any], label: Any
+    ) -> None:
+        self.batch = (inputs, kwargs, label)
+
+    def after_step(self, step: TrainStep, applied: bool | None, scale: torch.Tensor | None) -> None:
+        if applied is False and self.batch is not None:
+            inputs, kwargs, label = self.batch
+            used = 1.0 if scale is None else float(scale)
+            self.debugger.after_skip(
+                step.network, inputs, kwargs, step.loss_fn, label, loss_scale=used
+            )
 
 
 def _as_loss(value: Any, source: str) -> torch.Tensor:
@@ -284,9 +379,11 @@ class TrainStep(nn.Module):
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.config = config
-        self.loss_scale_manager = manager
+        #: the loss-scale policy; :class:`NoLossScale` without a manager
+        self.scaling: LossScaleManager = NoLossScale() if manager is None else manager
         self.masters = masters
-        self.hooks = hooks or StepHooks()
+        #: the parts plugged in, called in order (see :class:`StepSeam`)
+        self.seams: list[StepSeam] = [_UserSeam(hooks or StepHooks())]
         self.optimizer_steps = 0
         self.found_inf = torch.zeros(())
         self._grad_norm = torch.tensor(math.nan)  # the last applied step's, on the device
@@ -295,18 +392,55 @@ class TrainStep(nn.Module):
         self._micro_step = 0
         self._ledger = StepLedger()
         self._warned = False
-        #: the boost level's decisions and seams (None at boost level O0)
-        self.boost: BoostPlan | None = None
-        self._debugger: Any = None
-        self._batch: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None
         if debug_overflow:
-            from mixprec.diagnose.skip import OverflowDebugger
+            self.seams.insert(0, _OverflowSeam())
 
-            self._debugger = OverflowDebugger()
+    def _seam(self, kind: type[_S]) -> _S | None:
+        return next((seam for seam in self.seams if isinstance(seam, kind)), None)
+
+    @property
+    def hooks(self) -> StepHooks:
+        """The user's seams (``after_unscale``, ``after_skip``, ``lr_scheduler``)."""
+        seam = self._seam(_UserSeam)
+        assert seam is not None
+        return seam.hooks
+
+    @hooks.setter
+    def hooks(self, hooks: StepHooks) -> None:
+        seam = self._seam(_UserSeam)
+        assert seam is not None
+        seam.hooks = hooks
+
+    @property
+    def boost(self) -> BoostPlan | None:
+        """The boost level's decisions (None at boost level O0)."""
+        seam = self._seam(_BoostSeam)
+        return None if seam is None else seam.plan
+
+    @boost.setter
+    def boost(self, plan: BoostPlan | None) -> None:
+        self.seams = [seam for seam in self.seams if not isinstance(seam, _BoostSeam)]
+        if plan is not None:
+            self.seams.insert(0, _BoostSeam(plan))
+
+    @property
+    def training(self) -> bool:
+        """The network's mode: ``step.train()``/``step.eval()`` set it and
+        ``step.network.train()``/``.eval()`` change it; either is what the other reads."""
+        network = self.__dict__.get("_modules", {}).get("network")
+        return bool(self.__dict__.get("_training", True) if network is None else network.training)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        self.__dict__["_training"] = mode
+        network = self.__dict__.get("_modules", {}).get("network")
+        if network is not None:
+            network.training = mode
 
     @property
     def last_overflow_report(self) -> Any:
-        return None if self._debugger is None else self._debugger.last_report
+        seam = self._seam(_OverflowSeam)
+        return None if seam is None else seam.debugger.last_report
 
     # ------------------------------------------------------------------ what happened
     @property
@@ -331,12 +465,16 @@ class TrainStep(nn.Module):
         return self._ledger.read()[2]
 
     @property
+    def loss_scale_manager(self) -> LossScaleManager | None:
+        """The manager the step was built with (None: no loss scaling)."""
+        return None if isinstance(self.scaling, NoLossScale) else self.scaling
+
+    @property
     def loss_scale(self) -> float:
-        manager = self.loss_scale_manager
-        if manager is None or self._warming_up:
+        if self._warming_up:
             return 1.0
-        state = manager.device_state()
-        return float(state.scale) if state is not None else float(manager.get_loss_scale())
+        state = self.scaling.device_state()
+        return float(state.scale) if state is not None else float(self.scaling.get_loss_scale())
 
     @property
     def grad_norm(self) -> float:
@@ -363,20 +501,17 @@ class TrainStep(nn.Module):
         """Run one micro-batch; returns its unscaled float32 loss (detached)."""
         last = self._micro_step + 1 == self.config.accumulation_steps
         try:
-            if self.boost is not None:
-                network_args = inputs[:-1] if self.loss_fn is not None else inputs
-                self.boost.before_forward(self.network, network_args, self.optimizer_steps)
+            if self.loss_fn is not None and not inputs:
+                raise TypeError(
+                    "step(*inputs, label): the label is the last positional argument; got none"
+                )
+            network_args = inputs[:-1] if self.loss_fn is not None else inputs
+            label = inputs[-1] if self.loss_fn is not None else None
+            for seam in self.seams:
+                seam.before_forward(self, network_args, kwargs, label)
             with self.agreement.communication(last):
                 if self.loss_fn is not None:
-                    if not inputs:
-                        raise TypeError(
-                            "step(*inputs, label): the label is the last positional argument; "
-                            "got none"
-                        )
-                    *net_inputs, label = inputs
-                    if self._debugger is not None:
-                        self._batch = (tuple(net_inputs), kwargs, label)
-                    output = self.agreement.run(self.network, *net_inputs, **kwargs)
+                    output = self.agreement.run(self.network, *network_args, **kwargs)
                     self.last_output = _detached(output)
                     loss = _as_loss(
                         self.loss_fn(
@@ -385,8 +520,6 @@ class TrainStep(nn.Module):
                         "loss_fn",
                     )
                 else:
-                    if self._debugger is not None:
-                        self._batch = (inputs, kwargs, None)
                     output = self.agreement.run(self.network, *inputs, **kwargs)
                     self.last_output = _detached(output)
                     loss = _as_loss(_loss_of(output, self.config.output_loss), "the network")
@@ -402,8 +535,8 @@ class TrainStep(nn.Module):
             self._abandon()
             raise
         finally:
-            if self.boost is not None:
-                self.boost.after_backward()
+            for seam in self.seams:
+                seam.after_backward(self)
         self._micro_step += 1
         if last:
             self._micro_step = 0
@@ -411,17 +544,7 @@ class TrainStep(nn.Module):
         return loss.detach()
 
     def _scale_tensor(self, device: torch.device) -> torch.Tensor | None:
-        manager = self.loss_scale_manager
-        if manager is None or self._warming_up:
-            return None
-        state = manager.device_state()
-        if state is None:  # a manager with its own host API: a host float each step
-            return torch.tensor(float(manager.get_loss_scale()), device=device)
-        if state.scale.device != device:
-            manager._to(device)
-            state = manager.device_state()
-        assert state is not None
-        return state.scale
+        return None if self._warming_up else self.scaling.scale_on(device)
 
     # ------------------------------------------------------------------ a backward run elsewhere
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -452,8 +575,7 @@ class TrainStep(nn.Module):
     def _abandon(self) -> None:
         """Drop every gradient of an abandoned step (and its accumulation)."""
         self._micro_step = 0
-        if self.loss_scale_manager is not None:
-            self.loss_scale_manager.abandon()
+        self.scaling.abandon()
         if self.masters is not None:
             self.masters.clear_grads()
         self.optimizer.zero_grad(set_to_none=True)
@@ -467,28 +589,25 @@ class TrainStep(nn.Module):
             if p.grad is not None
         ]
         grads = [p.grad for p in params]
-        manager = self.loss_scale_manager
-        state = None if manager is None else manager.device_state()
-        check = manager is None or manager.get_drop_overflow_update()
+        manager = self.scaling
+        state = manager.device_state()
+        check = manager.get_drop_overflow_update()
         device = grads[0].device if grads else self.found_inf.device
         ledger = self._ledger.snapshot()
         done = False
         try:
             with torch.no_grad():
                 local = [local_shard(g) for g in grads]  # FSDP2: each rank checks its own shard
-            scale = None if self._warming_up else self._scale_tensor(device)
+            scale = self._scale_tensor(device)
             # one fused pass unscales and checks; with no scale it multiplies by exactly 1,
             # which on CPU is several times faster than an inf-norm reduction
             inverse = torch.ones((), device=device) if scale is None else _inverse_scale(scale)
             chosen = None
-            if manager is None:
-                found = _unscale_grads(local, inverse)
-            else:
-                # a policy's own per-part flags (a group's boundary) are each rank's even
-                # under DDP: agreed whenever there are ranks (other policies send nothing)
-                replicas = self.agreement.replicas
-                agree = replicas.all_reduce_max if replicas.active else None
-                found = manager.unscale_step(params, local, inverse, agree)
+            # a policy's own per-part flags (a group's boundary) are each rank's even
+            # under DDP: agreed whenever there are ranks (other policies send nothing)
+            replicas = self.agreement.replicas
+            agree = replicas.all_reduce_max if replicas.active else None
+            found = manager.unscale_step(params, local, inverse, agree)
             if self._warming_up and state is not None and state.dynamic:
                 chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
             found, chosen = self.agreement.agree(
@@ -496,9 +615,9 @@ class TrainStep(nn.Module):
             )
             mark_unscaled(grads, found)
             self.found_inf = found
-            if self.hooks.after_unscale is not None:
-                self.hooks.after_unscale(self, params)
-            on_device = self._decides_on_device(check, manager, state)
+            for seam in self.seams:
+                seam.after_unscale(self, params)
+            on_device = self._decides_on_device(check, manager)
             applied: bool | None = True  # without a check, every step is applied
             if check:
                 self._ledger.update(found)
@@ -515,18 +634,10 @@ class TrainStep(nn.Module):
                 self._optimizer_step(found if on_device else None)
                 if self.masters is not None:
                     self.masters.refresh()
-            self._update_scale(manager, state, found, chosen)
-            if applied is True and self.hooks.lr_scheduler is not None:
-                self.hooks.lr_scheduler.step()
-            if applied is False and self._debugger is not None and self._batch is not None:
-                inputs, kwargs, label = self._batch
-                used = 1.0 if scale is None else float(scale)
-                self._debugger.after_skip(
-                    self.network, inputs, kwargs, self.loss_fn, label, loss_scale=used
-                )
-            done = True
-            if applied is False and self.hooks.after_skip is not None:
-                self.hooks.after_skip(self)
+            self._update_scale(found, chosen)
+            done = True  # the optimizer stepped and the scale moved: the step counts
+            for seam in self.seams:
+                seam.after_step(self, applied, scale)
         finally:
             if done:  # a step whose optimizer (or anything before it) raised is not counted
                 self.optimizer_steps += 1
@@ -538,13 +649,12 @@ class TrainStep(nn.Module):
         if check:
             self._check_limits(known=applied is not None)
 
-    def _decides_on_device(self, check: bool, manager: Any, state: Any) -> bool:
+    def _decides_on_device(self, check: bool, manager: LossScaleManager) -> bool:
         """Whether the skip is the fused optimizer's, on the device (no host read)."""
         return (
             check
-            and (manager is None or state is not None)
-            and not self.hooks.need_host_decision
-            and self._debugger is None
+            and manager.decides_on_device()
+            and not any(seam.needs_host_decision for seam in self.seams)
             and _fused_skip_ready(self.optimizer)
         )
 
@@ -559,29 +669,16 @@ class TrainStep(nn.Module):
         finally:
             del optimizer.grad_scale, optimizer.found_inf
 
-    def _update_scale(
-        self,
-        manager: LossScaleManager | None,
-        state: Any,
-        found: torch.Tensor,
-        chosen: torch.Tensor | None,
-    ) -> None:
-        if manager is None:
-            return
-        if state is None:
-            manager.update_loss_scale(self._ledger.read()[0])
-            return
+    def _update_scale(self, found: torch.Tensor, chosen: torch.Tensor | None) -> None:
         settled = None if chosen is None else settled_initial_scale(chosen)
-        manager.update_on_device(found, settled)
+        self.scaling.after_step(found, settled, lambda: self._ledger.read()[0])
 
     def _check_limits(self, known: bool) -> None:
         if not known and self.optimizer_steps % self.LIMIT_CHECK_INTERVAL:
             return
         run = self._ledger.read()[2]
         if run > self.MAX_CONSECUTIVE_OVERFLOWS:
-            manager = self.loss_scale_manager
-            state = None if manager is None else manager.device_state()
-            fixed = state is not None and not state.dynamic and not self._warming_up
+            fixed = self.scaling.is_fixed() and not self._warming_up
             raise RuntimeError(
                 "mixprec training step: "
                 + overflow_limit_message(run, min(self.loss_scale, FLOAT32_MAX), fixed=fixed)
@@ -630,25 +727,24 @@ class TrainStep(nn.Module):
         if self._micro_step < self.config.accumulation_steps:
             return
         self._abandon()
-        manager = self.loss_scale_manager
-        state = None if manager is None else manager.device_state()
-        check = manager is None or manager.get_drop_overflow_update()
+        state = self.scaling.device_state()
+        check = self.scaling.get_drop_overflow_update()
         nothing = torch.zeros((), device=self._join_device())
         warm = self._warming_up and state is not None and state.dynamic
         chosen = torch.full_like(nothing, math.inf) if warm else None
         try:
-            if manager is not None:  # answer the others' per-part flags with none of its own
-                manager.unscale_step([], [], nothing + 1, self.agreement.replicas.all_reduce_max)
+            # answer the others' per-part flags with none of its own
+            self.scaling.unscale_step([], [], nothing + 1, self.agreement.replicas.all_reduce_max)
             found, chosen = self.agreement.agree(
-                nothing, chosen, manager, check, interval=self.LIMIT_CHECK_INTERVAL
+                nothing, chosen, self.scaling, check, interval=self.LIMIT_CHECK_INTERVAL
             )
             if check:
                 self._ledger.update(found)
             # the others raise together when the states differed: so does a joined rank
-            on_device = self._decides_on_device(check, manager, state)
+            on_device = self._decides_on_device(check, self.scaling)
             skipped = None if on_device else check
-            self.agreement.check(manager, skipped=skipped, interval=self.LIMIT_CHECK_INTERVAL)
-            self._update_scale(manager, state, found, chosen)
+            self.agreement.check(self.scaling, skipped=skipped, interval=self.LIMIT_CHECK_INTERVAL)
+            self._update_scale(found, chosen)
         finally:
             self.optimizer_steps += 1
 
