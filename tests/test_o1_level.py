@@ -186,3 +186,23 @@ def test_compiles_with_no_more_graph_breaks_than_the_original(level: str) -> Non
     assert ours.graph_break_count <= theirs.graph_break_count
     compiled = torch.compile(converted, backend="eager")
     assert torch.equal(compiled(x), converted(x))
+
+
+class OwnMathLinear(nn.Linear):
+    """transformers' FalconLinear: an nn.Linear subclass doing its own matmul."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x @ self.weight.T
+        return out if self.bias is None else out + self.bias
+
+
+def test_a_linear_subclass_with_its_own_math_computes_low() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(OwnMathLinear(4, 8), nn.ReLU(), OwnMathLinear(8, 2))
+    x = torch.randn(3, 4)
+    out, counter = count_casts(_o1(model), x)
+    assert out.dtype == torch.float32
+    assert rel_error(out, model(x)) < TOL
+    # each layer: its input down (the second takes relu's low result), the weight down for
+    # the matmul, its result up (the bias is added in float32); relu's result up
+    assert counter.casts == {(torch.float32, BF16): 4, (BF16, torch.float32): 3}

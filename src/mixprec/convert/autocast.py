@@ -56,7 +56,6 @@ from torch.nn.modules.module import _global_forward_hooks
 from torch.nn.utils import parametrize
 
 from mixprec._warn import warn
-from mixprec.convert.module_level import ExtraRepr
 from mixprec.convert.plan import CastPlan, Conversion, PlanRow, RowKind
 from mixprec.convert.runtime import (
     ForwardBase,
@@ -81,7 +80,6 @@ from mixprec.policy.levels import Level, Precision, Recipe
 __all__ = [
     "AutocastForward",
     "Fp32Forward",
-    "InputsLowForward",
     "ListedForward",
     "WhiteForward",
     "convert_autocast",
@@ -276,15 +274,26 @@ class WhiteForward(ForwardBase):
     recomputation calls submodules directly: it must compute what the forward did).
 
     ``inner`` runs it: None for a one-call layer (its white-list call decided by the
-    region's mode, the result kept low), a forced-low
-    :class:`~mixprec.convert.runtime.RuntimeForward` for a module run whole in low
-    precision, an :class:`InputsLowForward` for a layer subclass with its own forward.
+    region's mode, the result kept low) and, with ``inputs_low``, for a subclass of a
+    built-in layer with a ``forward`` of its own (torchao's ``Float8Linear``,
+    transformers' ``FalconLinear``: floating inputs cast down, its own code run under the
+    list, where a tensor subclass of its own, such as torchao's float8 tensors, keeps its
+    rules); a forced-low :class:`~mixprec.convert.runtime.RuntimeForward` for a module run
+    whole in low precision.
     """
 
-    def __init__(self, module: nn.Module, region: Region, inner: Callable[..., Any] | None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        region: Region,
+        inner: Callable[..., Any] | None,
+        *,
+        inputs_low: bool = False,
+    ) -> None:
         self.module = module
         self.region = region
         self.inner = inner
+        self.inputs_low = inputs_low
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         local = self.region.local
@@ -305,6 +314,16 @@ class WhiteForward(ForwardBase):
     def _run(self, mode: RuntimeListMode, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.inner is not None:
             return self.inner(*args, **kwargs)
+        if self.inputs_low:  # a layer subclass with its own code, which runs under the list
+            dtype = self.region.recipe.dtype
+
+            def down(value: Any) -> Any:
+                if isinstance(value, torch.Tensor):
+                    return mode.cast_value(value, dtype)
+                return tuple(map(down, value)) if type(value) is tuple else value
+
+            args, kwargs = tuple(map(down, args)), {k: down(v) for k, v in kwargs.items()}
+            return type(self.module).forward(self.module, *args, **kwargs)
         mode.back = False  # the layer's one white-list call keeps its result low
         try:
             return type(self.module).forward(self.module, *args, **kwargs)
@@ -333,21 +352,6 @@ class CastBackLast(collections.OrderedDict):
         local = self.region.local
         mode = local.mode if getattr(local, "depth", 0) else None
         return _up(output) if mode is None else mode.cast_back(output)
-
-
-class InputsLowForward(ForwardBase):
-    """O1: a subclass of a built-in white-list layer with a ``forward`` of its own
-    (torchao's ``Float8Linear``): floating inputs cast down, its own code run as written
-    (it decides what its weights compute in)."""
-
-    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
-        self.module = module
-        self.dtype = dtype
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _cast_floating((args, kwargs), self.dtype)
-        with standing_aside():
-            return type(self.module).forward(self.module, *args, **kwargs)
 
 
 #: Built-in white-list layers whose ``forward`` is one call of a white-list function: at
@@ -409,9 +413,8 @@ def convert_o1(network: nn.Module, recipe: Recipe) -> nn.Module:
             if pin is Precision.LOW or kind is O1Kind.WHOLE:
                 reason = O1Kind.WHOLE.value
                 inner = RuntimeForward(module, recipe, scopes, None, Precision.LOW, reason)
-            elif kind is O1Kind.INPUTS_LOW:
-                inner = InputsLowForward(module, recipe.dtype)
-            set_forward(module, WhiteForward(module, region, inner))
+            inputs_low = kind is O1Kind.INPUTS_LOW and pin is not Precision.LOW
+            set_forward(module, WhiteForward(module, region, inner, inputs_low=inputs_low))
             set_forward_hooks(module, CastBackLast(module._forward_hooks, region))
         elif type(module).forward is not nn.Module.forward:
             under = any(isinstance(m, FAST_PATH_MODULES) for _, m in scopes[:-1])
@@ -464,22 +467,23 @@ def convert_autocast(network: nn.Module, recipe: Recipe) -> nn.Module:
         seen.add(id(module))
         precision = _precision(recipe, scopes)
         if precision is Precision.FP32:
-            module.__dict__["forward"] = Fp32Forward(module, recipe.device_type)
+            set_forward(module, Fp32Forward(module, recipe.device_type))
         elif precision is Precision.LOW:  # a low pin, a recurrent layer or attention: whole low
             reason = "runs whole in low precision"
-            module.__dict__["forward"] = RuntimeForward(
-                module, recipe, scopes, None, Precision.LOW, reason
-            )
+            set_forward(module, RuntimeForward(module, recipe, scopes, None, Precision.LOW, reason))
         elif type(module).forward is not nn.Module.forward:
-            module.__dict__["forward"] = AutocastForward(
+            set_forward(
                 module,
-                recipe.device_type,
-                recipe.dtype,
-                root=module is root,
-                under_fast_path=any(isinstance(m, FAST_PATH_MODULES) for _, m in scopes[:-1]),
+                AutocastForward(
+                    module,
+                    recipe.device_type,
+                    recipe.dtype,
+                    root=module is root,
+                    under_fast_path=any(isinstance(m, FAST_PATH_MODULES) for _, m in scopes[:-1]),
+                ),
             )
     root.__dict__[CONVERSION_ATTR] = Conversion(recipe, static_plan(root, recipe))
-    root.__dict__["extra_repr"] = ExtraRepr(root, f"mixprec: {recipe.describe()}")
+    add_repr_note(root, f"mixprec: {recipe.describe()}")
     return root
 
 
@@ -519,7 +523,7 @@ def static_plan(root: nn.Module, recipe: Recipe) -> CastPlan:
             inside_unit.add(id(module))
             rows.append(unit_weight_rows(module, path, recipe, inputs=True))
             continue
-        if isinstance(forward, InputsLowForward):
+        if isinstance(forward, WhiteForward) and forward.inputs_low:
             rows.append(
                 PlanRow.make(
                     path,

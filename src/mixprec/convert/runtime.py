@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode, get_overridable_functions
 
 from mixprec.policy.dtypes import is_castable
 from mixprec.policy.levels import Level, Precision, Recipe
-from mixprec.policy.ops import cast_tree, op_key, op_name, widest_dtype
+from mixprec.policy.ops import cast_tree, only_plain_tensors, op_key, op_name, widest_dtype
 
 __all__ = [
     "ForwardBase",
@@ -130,6 +130,10 @@ class RuntimeListMode(TorchFunctionMode):
             if isinstance(leaf, (list, tuple)) and leaf:  # a TensorList (einsum, RNN weights)
                 return type(leaf)(self._cast_one(item, dtype) for item in leaf)
             return leaf
+        return self.cast_value(leaf, dtype)
+
+    def cast_value(self, leaf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``leaf`` cast to ``dtype`` once per call of this mode (floating, not float64)."""
         if leaf.dtype == dtype or not is_castable(leaf):
             return leaf
         if torch.compiler.is_compiling():  # the compiler removes repeated casts itself,
@@ -166,6 +170,8 @@ class RuntimeListMode(TorchFunctionMode):
         precision = self.table.get(func, self.default)
         if self.suspended or precision is Precision.FOLLOW:
             return func(*args, **kwargs)
+        if not only_plain_tensors(args, kwargs):  # torchao's float8 tensors, DTensor
+            return func(*args, **kwargs)  # keep their own rules
         if precision is Precision.LOW:
             if _writes_in_place(func, args, kwargs):  # F.relu(x, inplace=True): x itself
                 return func(*args, **kwargs)

@@ -51,6 +51,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from mixprec._check import require_module
+from mixprec.convert.structure import set_forward
 from mixprec.fp8.swap import apply_fp8
 from mixprec.policy import lists
 from mixprec.policy.dtypes import dtype_name
@@ -218,7 +219,7 @@ def fully_shard(
         root = _policy()
     torch_fully_shard(model, mp_policy=root, **fsdp_kwargs)
     if recipe.level is Level.AUTOCAST:
-        model.__dict__["forward"] = _AutocastForward(model, recipe.device_type, recipe.dtype)
+        set_forward(model, _AutocastForward(model, recipe.device_type, recipe.dtype))
     dtype_of = None if recipe.level is Level.O0 else recipe.dtype
     options = (
         ("fp32_modules", fp32_modules),

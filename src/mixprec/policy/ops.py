@@ -10,6 +10,7 @@ one Python call and no kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -136,14 +137,21 @@ def only_plain_tensors(args: Iterable[Any], kwargs: dict[str, Any]) -> bool:
     (torchao's Float8 tensors, DTensor) keeps its own rules for its GEMMs and casts: mixprec's
     run-time modes leave such ops alone.
     """
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    plain = (torch.Tensor, torch.nn.Parameter, FakeTensor, *_BUFFER)
+    plain = _plain_types()
     for value in (*args, *kwargs.values()):
+        if type(value) in plain:
+            continue
         for leaf in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(leaf, torch.Tensor) and type(leaf) not in plain:
                 return False
     return True
+
+
+@functools.lru_cache(maxsize=1)
+def _plain_types() -> frozenset[type]:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return frozenset((torch.Tensor, torch.nn.Parameter, FakeTensor, *_BUFFER))
 
 
 _BUFFER: tuple[type, ...] = (torch.nn.Buffer,) if hasattr(torch.nn, "Buffer") else ()
