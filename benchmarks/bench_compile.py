@@ -38,13 +38,13 @@ def main() -> None:
         with torch.autocast("cpu", torch.bfloat16):
             return compiled_original(**inputs)
 
-    calls = {"autocast+compile": theirs}
+    calls = {"torch.autocast+compile": theirs}
     breaks = {"original": torch._dynamo.explain(model)(**inputs).graph_break_count}
     for level in args.levels.split(","):
         converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
         breaks[level] = torch._dynamo.explain(converted)(**inputs).graph_break_count
         compiled = torch.compile(converted)
-        calls[f"{level}+compile"] = lambda c=compiled: c(**inputs)
+        calls[f"{level} level+compile"] = lambda c=compiled: c(**inputs)
     times: dict[str, list[float]] = {name: [] for name in calls}
     with torch.no_grad():
         for call in calls.values():
@@ -55,7 +55,7 @@ def main() -> None:
                 start = time.perf_counter()
                 call()
                 times[name].append(time.perf_counter() - start)
-    base = statistics.median(times["autocast+compile"])
+    base = statistics.median(times["torch.autocast+compile"])
     print(f"{args.model}: graph breaks {breaks}")
     for name, values in times.items():
         median = statistics.median(values)

@@ -53,7 +53,6 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.modules.module import _global_forward_hooks
-from torch.nn.utils import parametrize
 
 from mixprec._warn import warn
 from mixprec.convert.plan import CastPlan, Conversion, PlanRow, RowKind
@@ -392,28 +391,26 @@ def convert_o1(network: nn.Module, recipe: Recipe) -> nn.Module:
     module docstring); :func:`mixprec.explain` reads its plan."""
     root = structural_copy(network)
     region = Region(recipe)
+    answers = recipe.module_precisions(root)  # the one policy: fp32, low, or its ops decide
     seen: set[int] = set()
     for path, module, scopes in _walk(root, "", (("", root),)):
         if id(module) in seen:
             continue
         seen.add(id(module))
-        pin = _pin(recipe, scopes)
-        white = isinstance(module, recipe.white_modules)
-        kind = o1_kind(module, region) if white else None
-        units = [m for _, m in scopes[:-1] if isinstance(m, recipe.white_modules)]
-        inside_low = (pin is Precision.LOW and recipe.pinned(module, path) is None) or any(
-            o1_kind(m, region) is O1Kind.WHOLE for m in units
-        )
-        if pin is Precision.FP32 or isinstance(module, parametrize.ParametrizationList):
-            set_forward(module, Fp32Forward(module, recipe.device_type))  # (its math: float32)
-        elif inside_low:  # inside a module run whole in low precision
+        here = answers[path]
+        parent = answers[scopes[-2][0]] if len(scopes) > 1 else None
+        if here is Precision.FP32:  # a float32 pin, a parametrization (its math: float32)
+            set_forward(module, Fp32Forward(module, recipe.device_type))
+        elif here is Precision.LOW and parent is Precision.LOW:  # inside a low module
             set_forward(module, RuntimeForward(module, recipe, scopes, None, Precision.LOW))
-        elif pin is Precision.LOW or white:
+        elif here is Precision.LOW:  # a white-list module or a low pin
+            kind = o1_kind(module, region)
+            pinned = recipe.pinned(module, path) is Precision.LOW
             inner: Callable[..., Any] | None = None
-            if pin is Precision.LOW or kind is O1Kind.WHOLE:
+            if pinned or kind is O1Kind.WHOLE:
                 reason = O1Kind.WHOLE.value
                 inner = RuntimeForward(module, recipe, scopes, None, Precision.LOW, reason)
-            inputs_low = kind is O1Kind.INPUTS_LOW and pin is not Precision.LOW
+            inputs_low = kind is O1Kind.INPUTS_LOW and not pinned
             set_forward(module, WhiteForward(module, region, inner, inputs_low=inputs_low))
             set_forward_hooks(module, CastBackLast(module._forward_hooks, region))
         elif type(module).forward is not nn.Module.forward:
@@ -422,15 +419,6 @@ def convert_o1(network: nn.Module, recipe: Recipe) -> nn.Module:
     root.__dict__[CONVERSION_ATTR] = Conversion(recipe, static_plan(root, recipe))
     add_repr_note(root, f"mixprec: {recipe.describe()}")
     return root
-
-
-def _pin(recipe: Recipe, scopes: Scopes) -> Precision | None:
-    """The innermost pin in scope, if any."""
-    for path, module in reversed(scopes):
-        pin = recipe.pinned(module, path)
-        if pin is not None:
-            return pin
-    return None
 
 
 def _precision(recipe: Recipe, scopes: Scopes) -> Precision | None:
