@@ -211,6 +211,17 @@ class LowParameters(dict[str, Any]):
                 yield name, dict.__getitem__(self, name)
 
 
+_FOLLOW, _LOWER, _LOSS = 0, 1, 2
+
+
+def _kind(func: Callable[..., Any]) -> int:
+    """What :class:`MixedOperands` does with a call of ``func``."""
+    name = op_name(func)
+    if name in _LOWER_OPS:
+        return _LOWER
+    return _LOSS if name in _LOSSES else _FOLLOW
+
+
 class MixedOperands(TorchFunctionMode):
     """autocast's rule for operands a model mixes: an op on autocast's lower-precision
     list whose floating operands mix float32 with ``dtype`` runs in ``dtype``; all-float32
@@ -221,8 +232,7 @@ class MixedOperands(TorchFunctionMode):
     def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
         self.dtype = dtype
-        self._lower: dict[Any, bool] = {}
-        self._loss: dict[Any, bool] = {}
+        self._kinds: dict[Any, int] = {}  # torch function -> _FOLLOW, _LOWER or _LOSS
 
     def __torch_function__(
         self,
@@ -231,28 +241,22 @@ class MixedOperands(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         if torch.compiler.is_compiling():  # no state the compiler would have to guard
-            lower = op_name(func) in _LOWER_OPS
+            kind = _kind(func)
         else:
-            known = self._lower.get(func)
-            lower = self._lower[func] = op_name(func) in _LOWER_OPS if known is None else known
-        if lower:
+            kind = self._kinds.get(func, -1)
+            if kind < 0:
+                kind = self._kinds[func] = _kind(func)
+        if kind == _FOLLOW:
+            return func(*args, **kwargs)
+        if kind == _LOWER:
             if self._mixed(args, kwargs) and only_plain_tensors(args, kwargs):
                 args, kwargs = cast_tree((args, kwargs), self.dtype)
-        elif (
-            self._is_loss(func) and self._has_low(args, kwargs) and only_plain_tensors(args, kwargs)
-        ):
+        elif self._has_low(args, kwargs) and only_plain_tensors(args, kwargs):  # a loss
             args, kwargs = cast_tree((args, kwargs), torch.float32)
         return func(*args, **kwargs)
-
-    def _is_loss(self, func: Callable[..., Any]) -> bool:
-        if torch.compiler.is_compiling():
-            return op_name(func) in _LOSSES
-        known = self._loss.get(func)
-        if known is None:
-            known = self._loss[func] = op_name(func) in _LOSSES
-        return known
 
     def _has_low(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         return any(
