@@ -44,9 +44,19 @@ def cast(value: Any, dtype: torch.dtype | None) -> Any:
     return cast_tree(value, dtype)
 
 
+#: Leaf types a flat tuple may hold for :func:`cast_tree`'s fast path.
+_FLAT = frozenset(
+    {torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None), torch.dtype}
+)
+
+
 def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
     """:func:`cast` every floating tensor in a nested structure (tuples, lists, dicts,
     named tuples, dataclasses, and any type registered with ``torch.utils._pytree``)."""
+    if isinstance(tree, torch.Tensor):  # the common cases, without a tree walk
+        return tree.to(dtype) if tree.dtype != dtype and is_castable(tree) else tree
+    if type(tree) is tuple and all(type(v) in _FLAT for v in tree):
+        return tuple(cast_tree(v, dtype) if isinstance(v, torch.Tensor) else v for v in tree)
 
     def one(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
