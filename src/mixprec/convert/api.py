@@ -122,8 +122,7 @@ def auto_mixed_precision(
     Returns:
         The converted model (the network itself for O0): a module of the original's
         class sharing its Parameters, with its hooks, methods and modes; each module's
-        ``forward`` shows what it does (at O1, ``module.forward.code`` is the module's own
-        graph with its casts). :func:`mixprec.explain` gives the cast plan.
+        ``forward`` says how it runs. :func:`mixprec.explain` gives the cast plan.
 
     Raises:
         TypeError: ``network`` is not a module; a pin is malformed.

@@ -380,16 +380,6 @@ def _emulated_plan(plan: CastPlan) -> EmulatedCastPlan:
     return EmulatedCastPlan(**values)
 
 
-@dataclasses.dataclass(frozen=True)
-class _EmulatedRefresh:
-    """A conversion's plan re-read (graph levels), marked emulated (picklable)."""
-
-    refresh: Any
-
-    def __call__(self) -> EmulatedCastPlan:
-        return _emulated_plan(self.refresh())
-
-
 def install_emulation(network: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Make every call of a converted ``network`` (and of each of its submodules) run
     under :class:`EmulationMode`; its cast plan and ``repr`` say so. Returns ``network``.
@@ -413,10 +403,8 @@ def install_emulation(network: nn.Module, dtype: torch.dtype) -> nn.Module:
             set_forward(module, _Guarded(emulation, module, module.__dict__.get("forward")))
     conversion = conversion_of(network)
     if isinstance(conversion, Conversion):
-        plan = _emulated_plan(conversion.plan)
-        refresh = None if conversion.refresh is None else _EmulatedRefresh(conversion.refresh)
         network.__dict__[CONVERSION_ATTR] = dataclasses.replace(
-            conversion, plan=plan, refresh=refresh
+            conversion, plan=_emulated_plan(conversion.plan)
         )
     add_repr_note(network, f"emulated={dtype_name(dtype)} (float32 kernels, results rounded)")
     network.__dict__["_mixprec_emulation"] = emulation

@@ -1,4 +1,4 @@
-"""Module-level mixed precision (O2, O3, and whole low-precision units inside O1 graphs).
+"""Module-level mixed precision (O2 and O3).
 
 A converted module is a structural copy of the original (same classes, same Parameter
 objects, same ``state_dict`` keys). Its precision lives in the module tree, so every way
@@ -49,7 +49,7 @@ from mixprec.policy.dtypes import is_castable
 from mixprec.policy.levels import Precision, Recipe
 from mixprec.policy.ops import cast_tree
 
-__all__ = ["ExtraRepr", "convert_module_level", "make_low_unit"]
+__all__ = ["ExtraRepr", "convert_module_level"]
 
 
 def _settled(values: Any, dtype: torch.dtype) -> bool:
@@ -184,12 +184,3 @@ def convert_module_level(
     root.__dict__[CONVERSION_ATTR] = Conversion(recipe, plan)
     add_repr_note(root, f"mixprec: {recipe.describe()}")
     return root
-
-
-def make_low_unit(module: nn.Module, recipe: Recipe, prefix: str) -> nn.Module:
-    """A whole module computing in low precision, its outputs left low (used for
-    white-list modules inside O1 / autocast graphs that cannot be traced)."""
-    unit_recipe = Recipe(
-        level=recipe.level, dtype=recipe.dtype, low_pin=recipe.low_pin, fp32_pin=recipe.fp32_pin
-    )
-    return convert_module_level(module, unit_recipe, output_dtype=None, prefix=prefix, copy=False)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -229,12 +229,10 @@ class CastPlan:
 
 @dataclass(frozen=True)
 class Conversion:
-    """What a converted module carries: its recipe and its plan (``refresh``, when set,
-    reads the plan again: graph levels show the specialisations last used)."""
+    """What a converted module carries: its recipe and its static plan."""
 
     recipe: Recipe
     plan: CastPlan
-    refresh: Callable[[], CastPlan] | None = field(default=None, compare=False)
 
 
 def explain(network: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> CastPlan:
@@ -266,9 +264,7 @@ def explain(network: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> 
             f"network {type(network).__name__} was not converted by mixprec: convert it first with "
             "mixprec.auto_mixed_precision(network, level) or mixprec.custom_mixed_precision(...)"
         )
-    plan = _with_fp8(
-        conversion.plan if conversion.refresh is None else conversion.refresh(), network
-    )
+    plan = _with_fp8(conversion.plan, network)
     if not example_inputs and not example_kwargs:
         return plan
     try:

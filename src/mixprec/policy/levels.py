@@ -8,8 +8,8 @@ string, a dtype spelling, custom lists, pins, ``keep_batchnorm_fp32``) into a fr
 
 A :class:`Recipe` is everything a conversion needs to know: the level, the compute,
 parameter and output dtypes, the lists (as module classes and op keys) and the user's
-pins. Its :meth:`Recipe.decide` says which precision an op runs in (the graph rewrite and
-the run-time policy for untraceable code ask it); its :meth:`Recipe.module_precision` says
+pins. Its :meth:`Recipe.decide` says which precision an op runs in (the run-time list of
+O1 and of modules run whole in low precision asks it); its :meth:`Recipe.module_precision` says
 what a whole module computes in (module-level conversion, FSDP2 sharding, ``lint``,
 ``calibrate`` and ``find_overflow`` ask it).
 
