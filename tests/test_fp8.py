@@ -19,7 +19,7 @@ from mixprec.fp8 import (
     fp8_report,
     fp8_stats,
 )
-from mixprec.fp8.scaling import cast_stats, quantize, scale_of
+from mixprec.fp8.scaling import cast_stats, quantize, round_to_fp8, scale_of
 from mixprec.fp8.swap import native_fp8_missing
 
 RECIPES = [r.value for r in Fp8Recipe]
@@ -97,6 +97,39 @@ def test_dynamic_scale_and_quantize_match_the_closed_form() -> None:
     assert dq_row[1, 1] != 0
     assert int(cast_stats(x, scales, E4M3).flushed) == 1
     assert float(scale_of(torch.tensor(0.0), E4M3, False)) == pytest.approx(448e12)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_rounding_in_float32_is_the_cast(dtype: torch.dtype) -> None:
+    # every fp8 value, the midpoints between neighbours (ties go to even) and the floats
+    # just beside them, and random floats up to the largest fp8 value, both signs
+    grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].sort().values
+    mids = (grid[1:] + grid[:-1]) / 2
+    near = [mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9)), grid]
+    top = int(torch.tensor(torch.finfo(dtype).max).view(torch.int32))
+    bits = torch.randint(0, top + 1, (100_000,), generator=torch.Generator().manual_seed(0))
+    v = torch.cat([*near, bits.to(torch.int32).view(torch.float32)])
+    v = torch.cat([v, -v])
+    want = v.to(dtype).float()
+    got = v.clone()
+    round_to_fp8(got, dtype)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "columns"])
+def test_quantize_in_blocks_is_the_cast(transposed: bool) -> None:
+    # 640 x 512 is more than one CPU block: the blocked path, for both layouts, both dims
+    torch.manual_seed(3)
+    x = torch.randn(640, 512) * torch.randn(640, 1).exp() * 4
+    x = x.t() if transposed else x
+    for dtype, dim, pow2 in ((E4M3, None, False), (E5M2, 0, True), (E4M3, -1, True)):
+        dq, scale = quantize(x, dtype, dim, pow2)
+        assert dq.stride() == x.stride()
+        assert torch.equal(dq, (x * scale).to(dtype).float() / scale)
+        bf16 = x.bfloat16()
+        dq16, scale16 = quantize(bf16, dtype, dim, pow2)
+        assert torch.equal(dq16, (bf16.float() * scale16).to(dtype).float() / scale16)
 
 
 # --- bit-identical to torchao -------------------------------------------------------------
