@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 from torch import nn
 
 import mixprec
+from mixprec.diagnose import FindingKind
 from mixprec.fp8 import (
     Fp8Config,
     Fp8Linear,
@@ -18,6 +20,7 @@ from mixprec.fp8 import (
     default_fp8_filter,
     fp8_report,
     fp8_stats,
+    scaling,
 )
 from mixprec.fp8.scaling import cast_stats, quantize, round_to_fp8, scale_of
 from mixprec.fp8.swap import native_fp8_missing
@@ -118,10 +121,11 @@ def test_rounding_in_float32_is_the_cast(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "columns"])
-def test_quantize_in_blocks_is_the_cast(transposed: bool) -> None:
-    # 640 x 512 is more than one CPU block: the blocked path, for both layouts, both dims
+def test_quantize_in_blocks_is_the_cast(transposed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # blocks of 3000 values: 31 rows of 96 a block, the last one short; both layouts and dims
+    monkeypatch.setattr(scaling, "_BLOCK", 3000)
     torch.manual_seed(3)
-    x = torch.randn(640, 512) * torch.randn(640, 1).exp() * 4
+    x = torch.randn(200, 96) * torch.randn(200, 1).exp() * 4
     x = x.t() if transposed else x
     for dtype, dim, pow2 in ((E4M3, None, False), (E5M2, 0, True), (E4M3, -1, True)):
         dq, scale = quantize(x, dtype, dim, pow2)
@@ -262,6 +266,90 @@ def test_an_outlier_channel_fails_tensorwise_and_passes_rowwise() -> None:
             error = float((got - want).norm() / want.norm())
             assert error < bound if bound else error > 0.5
     assert model[2].weight.grad is None  # the report left gradients alone
+
+
+class ChannelOutlier(nn.Module):
+    """Multiplies feature 0 by 1e6: an outlier activation channel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gain = torch.ones(x.shape[-1], dtype=x.dtype)
+        gain[0] = 1e6
+        return x * gain
+
+
+def activation_outlier_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 32),
+        ChannelOutlier(),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.Linear(32, 4),
+    )
+
+
+def test_lint_names_the_fp8_layers_whose_weights_suffer() -> None:
+    model = outlier_model()
+    report = mixprec.lint(model, level="O2", dtype="bf16", fp8="tensorwise")
+    assert [(f.kind, f.place) for f in report] == [(FindingKind.FP8, "2 (Linear) weight")]
+    finding = report.findings[0]
+    assert "the output GEMM's cast of the weight flushes 96.9% of its values" in finding.problem
+    assert "fp8_filter=lambda module, name: name != '2'" in finding.fix
+    assert "fp32_modules=['2']" in finding.fix
+    assert "'rowwise' recipe" in finding.fix
+    # rowwise: the forward's per-channel scales are fine, grad_input reads the other axis
+    rowwise = mixprec.lint(model, level="O0", fp8="rowwise")
+    assert [f.problem.split(" the ")[1] for f in rowwise] == ["grad_input GEMM's cast of"]
+    # the fixes it names silence it; no fp8, or a clean model, finds nothing
+    keep_out = mixprec.lint(model, fp8="tensorwise", fp8_filter=lambda m, n: n == "4")
+    assert len(keep_out) == 0
+    assert len(mixprec.lint(model, dtype="bf16", fp8="tensorwise", fp32_modules=["2"])) == 0
+    assert len(mixprec.lint(model, dtype="bf16")) == 0
+    assert len(mixprec.lint(mlp(), dtype="bf16", fp8="tensorwise")) == 0
+    with pytest.raises(ValueError, match=r"fp8 must be one of .*'int8'"):
+        mixprec.lint(model, fp8="int8")
+    with pytest.raises(TypeError, match=r"fp8_filter must be a function.*'2'"):
+        mixprec.lint(model, fp8="rowwise", fp8_filter="2")  # type: ignore[arg-type]
+
+
+def test_lint_at_conversion_warns_about_fp8_weights() -> None:
+    with pytest.warns(UserWarning, match=r"mixprec lint: \[fp8 cast\] 2 \(Linear\) weight"):
+        mixprec.auto_mixed_precision(outlier_model(), "O0", fp8="tensorwise", lint=True)
+
+
+def test_find_overflow_with_fp8_names_an_activation_outlier() -> None:
+    # the weights are clean (lint finds nothing); the input of layer 2 has an outlier channel
+    model = activation_outlier_model()
+    assert len(mixprec.lint(model, fp8="tensorwise")) == 0
+    x = torch.randn(16, 16)
+    report = mixprec.find_overflow(model, x, level="O0", fp8="tensorwise")
+    assert not report.found  # finite: fp8 harm is not overflow
+    assert report.fp8 is not None
+    assert report.fp8.layers == ("2",)
+    worst = report.fp8.hurt[0]
+    assert (worst.gemm, worst.operand) == (Gemm.OUTPUT, "input")
+    assert worst.flushed > 0.5
+    text = str(report)
+    assert "fp8 (tensorwise): 1 layer(s) hurt beyond 1.0%" in text
+    assert "fp8 fix: keep '2' in bf16: fp8_filter=lambda module, name: name not in {'2'}" in text
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["fp8"]["hurt"][0]["layer"] == "2"
+    assert data["fp8"]["recipe"] == "tensorwise"
+    # rowwise scales each token, and the channel is in every token: still hurt
+    assert mixprec.find_overflow(model, x, level="O0", fp8="rowwise").fp8.layers == ("2",)
+    # a model with fp8 layers is read as it is; without fp8 there is no fp8 part
+    net = mixprec.auto_mixed_precision(model, "O0", fp8="tensorwise")
+    assert mixprec.find_overflow(net, x, level="O0").fp8.layers == ("2",)
+    converted = mixprec.auto_mixed_precision(model, "O2", "bf16", fp8="tensorwise", emulate=True)
+    assert mixprec.find_overflow(converted, x).fp8.layers == ("2",)
+    assert mixprec.find_overflow(model, x, level="O0").fp8 is None
+    assert (
+        mixprec.find_overflow(
+            model, x, level="O0", fp8_filter=lambda m, n: n == "4", fp8="tensorwise"
+        ).fp8.layers
+        == ()
+    )
 
 
 # --- every level trains with fp8 ------------------------------------------------------------

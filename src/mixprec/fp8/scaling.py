@@ -21,7 +21,7 @@ That is torchao's arithmetic, so an emulated layer is bit-identical to torchao's
   to ``[-M, M]`` is left out: ``|v| <= M`` up to one rounding of the scale, which rounds to
   ``M`` as the clamp would; non-finite values give NaN either way. Zeros come back as
   ``+0.0`` where the cast keeps ``-0.0``: equal values, the same GEMM results;
-* on the CPU the work runs in row blocks of about 256K values, so that the five passes of
+* on the CPU the work runs in row blocks of about 1M values, so that the five passes of
   the rounding stay in cache and the only large buffer is the result.
 
 Statistics (:class:`CastStats`) count, for one cast, the values the cast *saturates*
@@ -42,8 +42,9 @@ EPS = 1e-12
 #: Per fp8 dtype: the float32 exponent field of its smallest normal value, its mantissa bits.
 _GRID = {torch.float8_e4m3fn: (127 - 6, 3), torch.float8_e5m2: (127 - 14, 2)}
 
-#: About how many values one CPU block holds (1 MiB of float32).
-_BLOCK = 1 << 18
+#: About how many values one CPU block holds (4 MiB of float32: a few blocks per large
+#: operand, each in the last-level cache).
+_BLOCK = 1 << 20
 
 
 def amax_of(x: torch.Tensor, dim: int | None) -> torch.Tensor:
