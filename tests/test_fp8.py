@@ -75,14 +75,19 @@ def test_recipes_cast_every_operand_as_torchao_does() -> None:
 
 def test_cast_stats_count_saturated_and_flushed_values() -> None:
     # e4m3: largest 448; smallest subnormal 2**-9, so |v| < 2**-10 becomes 0 (2**-10 ties to 0)
-    x = torch.tensor([500.0, -1000.0, 448.0, 2.0**-11, -(2.0**-12), 2.0**-10, 2.0**-9, 0.0, 1.0])
+    # 450 and 464 round to 448 (464 ties to even): no clipping; 465 would round to 480: clipped
+    x = torch.tensor(
+        [500.0, -1000.0, 448.0, 2.0**-11, -(2.0**-12), 2.0**-10, 2.0**-9, 0.0, 1.0, 450.0, 464.0]
+    )
     stats = cast_stats(x, torch.tensor(1.0), E4M3)
     assert int(stats.saturated) == 2  # 500 and -1000
     assert int(stats.flushed) == 3  # 2**-11, -2**-12 and 2**-10; the zero is not counted
     assert float(stats.amax) == 1000.0
-    assert stats.numel == 9
-    # e5m2 (largest 57344, smallest 2**-16) with a scale of 2: 2**-18 * 2 flushes, 4e4 * 2 saturates
-    y = torch.tensor([4e4, 2.0**-18, 1.0, 1.0])
+    assert stats.numel == 11
+    assert int(cast_stats(torch.tensor([465.0]), torch.tensor(1.0), E4M3).saturated) == 1
+    # e5m2 (largest 57344, smallest 2**-16) with a scale of 2: 2**-18 * 2 flushes, 4e4 * 2
+    # saturates, 3e4 * 2 rounds to 57344
+    y = torch.tensor([4e4, 2.0**-18, 1.0, 3e4])
     s5 = cast_stats(y, torch.tensor(2.0), E5M2)
     assert (int(s5.saturated), int(s5.flushed)) == (1, 1)
 

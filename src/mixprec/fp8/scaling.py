@@ -25,11 +25,14 @@ That is torchao's arithmetic, so an emulated layer is bit-identical to torchao's
   the rounding stay in cache and the only large buffer is the result.
 
 Statistics (:class:`CastStats`) count, for one cast, the values the cast *saturates*
-(``|x * scale| > M``: clipped to ``M``) and the non-zero values it *flushes to zero*.
+(clipped to ``M``: beyond the midpoint between ``M`` and the next value the grid would have,
+so not the amax itself when the rounded scale puts it a hair above ``M``) and the non-zero
+values it *flushes to zero*.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -145,6 +148,12 @@ def _row_major(x: torch.Tensor) -> bool | None:
     return None
 
 
+def _saturation_limit(dtype: torch.dtype) -> float:
+    """The smallest magnitude ``dtype``'s cast clips: its largest value plus half a spacing."""
+    largest = torch.finfo(dtype).max
+    return largest + 2.0 ** (math.floor(math.log2(largest)) - _GRID[dtype][1] - 1)
+
+
 @dataclass(frozen=True)
 class CastStats:
     """What one cast did (0-dim tensors, so that recording never waits for the device).
@@ -177,7 +186,7 @@ def cast_stats(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Cast
     return CastStats(
         amax=amax_of(x, None).to(torch.float32),
         scale=scale.min(),
-        saturated=(scaled.abs() > torch.finfo(dtype).max).sum(),
+        saturated=(scaled.abs() > _saturation_limit(dtype)).sum(),
         flushed=((bits == 0) & (x != 0)).sum(),
         numel=x.numel(),
     )
