@@ -20,7 +20,6 @@ from mixprec.fp8 import (
     default_fp8_filter,
     fp8_report,
     fp8_stats,
-    scaling,
 )
 from mixprec.fp8.scaling import cast_stats, quantize, round_to_fp8, scale_of
 from mixprec.fp8.swap import native_fp8_missing
@@ -126,9 +125,7 @@ def test_rounding_in_float32_is_the_cast(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "columns"])
-def test_quantize_in_blocks_is_the_cast(transposed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # blocks of 3000 values: 31 rows of 96 a block, the last one short; both layouts and dims
-    monkeypatch.setattr(scaling, "_BLOCK", 3000)
+def test_quantize_keeps_the_layout_and_is_the_cast(transposed: bool) -> None:
     torch.manual_seed(3)
     x = torch.randn(200, 96) * torch.randn(200, 1).exp() * 4
     x = x.t() if transposed else x

@@ -1,4 +1,4 @@
-"""Dynamic fp8 scaling, emulated: amax, scale, and the round trip to fp8 and back in one pass.
+"""Dynamic fp8 scaling, emulated: amax, scale, and the round trip to fp8 and back in float32.
 
 For an operand ``x`` and an fp8 dtype with largest finite value ``M``:
 
@@ -21,8 +21,9 @@ That is torchao's arithmetic, so an emulated layer is bit-identical to torchao's
   to ``[-M, M]`` is left out: ``|v| <= M`` up to one rounding of the scale, which rounds to
   ``M`` as the clamp would; non-finite values give NaN either way. Zeros come back as
   ``+0.0`` where the cast keeps ``-0.0``: equal values, the same GEMM results;
-* on the CPU the work runs in row blocks of about 1M values, so that the five passes of
-  the rounding stay in cache and the only large buffer is the result.
+* each pass is one whole-tensor op (seven in all, each vectorized): cutting a large operand
+  into cache-sized blocks does a little less work, but on a CPU shared with other jobs its
+  many short parallel regions wait for descheduled threads, and run several times slower.
 
 Statistics (:class:`CastStats`) count, for one cast, the values the cast *saturates*
 (clipped to ``M``: beyond the midpoint between ``M`` and the next value the grid would have,
@@ -44,10 +45,6 @@ EPS = 1e-12
 
 #: Per fp8 dtype: the float32 exponent field of its smallest normal value, its mantissa bits.
 _GRID = {torch.float8_e4m3fn: (127 - 6, 3), torch.float8_e5m2: (127 - 14, 2)}
-
-#: About how many values one CPU block holds (4 MiB of float32: a few blocks per large
-#: operand, each in the last-level cache).
-_BLOCK = 1 << 20
 
 
 def amax_of(x: torch.Tensor, dim: int | None) -> torch.Tensor:
@@ -84,18 +81,6 @@ def round_to_fp8(v: torch.Tensor, dtype: torch.dtype, work: torch.Tensor | None 
     v.add_(offset).sub_(offset)
 
 
-def _round_trip(
-    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor
-) -> None:
-    """``out = fp8(x * scale) / scale`` in float32, ``x``, ``scale`` and ``out`` alike laid out."""
-    if x.dtype == torch.float32:
-        torch.mul(x, scale, out=out)
-    else:  # the product is a float32 one, as torchao's
-        out.copy_(x).mul_(scale)
-    round_to_fp8(out, dtype, torch.empty_like(out, dtype=torch.int32))
-    out.div_(scale)
-
-
 def quantize(
     x: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,41 +96,12 @@ def quantize(
     """
     scale = scale_of(amax_of(x, dim), dtype, pow2)
     out = torch.empty_like(x, dtype=torch.float32)
-    rows = _row_major(x)
-    if rows is None:
-        _round_trip(x, scale, dtype, out)
-        return out, scale
-    # a row-major 2-D view of all three, cut into blocks of whole rows
-    flip = rows is False
-    x2, out2 = (x.t(), out.t()) if flip else (x, out)
-    scale2 = scale.t() if flip and scale.dim() == 2 else scale
-    per_row = scale2.dim() == 2 and scale2.shape[0] != 1
-    height, width = x2.shape
-    step = max(1, _BLOCK // max(width, 1))
-    work = torch.empty(min(step, height), width, dtype=torch.int32, device=x.device)
-    for start in range(0, height, step):
-        stop = min(start + step, height)
-        block_scale = scale2[start:stop] if per_row else scale2
-        block = out2[start:stop]
-        if x2.dtype == torch.float32:
-            torch.mul(x2[start:stop], block_scale, out=block)
-        else:
-            block.copy_(x2[start:stop]).mul_(block_scale)
-        round_to_fp8(block, dtype, work[: stop - start])
-        block.div_(block_scale)
-    return out, scale
-
-
-def _row_major(x: torch.Tensor) -> bool | None:
-    """For a CPU matrix: True when row-major, False when its transpose is (None: neither,
-    or not worth blocks: not on the CPU, or small enough to stay in cache whole)."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.numel() <= _BLOCK:
-        return None
-    if x.is_contiguous():
-        return True
-    if x.t().is_contiguous():
-        return False
-    return None
+    if x.dtype == torch.float32:
+        torch.mul(x, scale, out=out)
+    else:  # the product is a float32 one, as torchao's
+        out.copy_(x).mul_(scale)
+    round_to_fp8(out, dtype, torch.empty_like(out, dtype=torch.int32))
+    return out.div_(scale), scale
 
 
 def _saturation_limit(dtype: torch.dtype) -> float:
