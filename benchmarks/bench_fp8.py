@@ -1,12 +1,16 @@
 """Emulated fp8 training speed: one training step against the float32 step, as ratios.
 
-    PYTHONPATH=src python benchmarks/bench_fp8.py [--rounds 15]
+    PYTHONPATH=src python benchmarks/bench_fp8.py [--rounds 15] [--threads N] [--cpu-time]
 
 One ``build_train_network`` step (SGD with momentum) at O0: float32, and float32 with each
 fp8 recipe emulated (the default layer choice: every linear but the first and last). Models:
 the benchmark MLP (1024-4096-4096-1024, batch 256) and a tiny Llama (transformers'
 ``LlamaConfig``, random weights: 4 layers, width 256, batch 8 x 128 tokens). Medians of
 steps interleaved round by round (each round starts at another variant), in one run.
+
+``--cpu-time`` times each step by the process's CPU time instead of the wall clock; with
+``--threads 1`` that is the work a step does, which other jobs on a shared machine barely
+move (with more threads, a thread waiting on a descheduled one is counted too).
 """
 
 from __future__ import annotations
@@ -67,8 +71,9 @@ def ratios(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     rounds: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> str:
-    """Median step time of every variant, and its ratio to float32."""
+    """Median step time of every variant (by ``clock``), and its ratio to float32."""
     base = make()
     steps = {}
     for name, recipe in VARIANTS.items():
@@ -82,9 +87,9 @@ def ratios(
     names = list(steps)
     for round_ in range(rounds):
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-            start = time.perf_counter()
+            start = clock()
             steps[name](*args, **kwargs)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     ms = {name: statistics.median(values) * 1e3 for name, values in times.items()}
     return ", ".join(
         f"{name} {value:.1f} ms ({value / ms['fp32']:.2f}x)" for name, value in ms.items()
@@ -94,17 +99,26 @@ def ratios(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
-    rounds = parser.parse_args().rounds
-    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: as is)")
+    parser.add_argument("--cpu-time", action="store_true", help="time by CPU time, not wall")
+    options = parser.parse_args()
+    rounds = options.rounds
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    clock = time.process_time if options.cpu_time else time.perf_counter
+    print(
+        f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"{'CPU time' if options.cpu_time else 'wall clock'}"
+    )
     torch.manual_seed(0)
     x, y = torch.randn(256, 1024), torch.randint(0, 1024, (256,))
     print(
         "MLP 1024-4096-4096-1024, batch 256:",
-        ratios(mlp, nn.CrossEntropyLoss(), (x, y), {}, rounds),
+        ratios(mlp, nn.CrossEntropyLoss(), (x, y), {}, rounds, clock),
     )
     tokens = torch.randint(0, 1024, (8, 128))
     kwargs = {"input_ids": tokens, "labels": tokens}
-    print("tiny Llama, 8x128 tokens:", ratios(tiny_llama, None, (), kwargs, rounds))
+    print("tiny Llama, 8x128 tokens:", ratios(tiny_llama, None, (), kwargs, rounds, clock))
 
 
 if __name__ == "__main__":

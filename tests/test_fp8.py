@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 from torch import nn
 
 import mixprec
+from mixprec.diagnose import FindingKind
 from mixprec.fp8 import (
     Fp8Config,
     Fp8Linear,
@@ -19,7 +21,7 @@ from mixprec.fp8 import (
     fp8_report,
     fp8_stats,
 )
-from mixprec.fp8.scaling import cast_stats, quantize, scale_of
+from mixprec.fp8.scaling import cast_stats, quantize, round_to_fp8, scale_of
 from mixprec.fp8.swap import native_fp8_missing
 
 RECIPES = [r.value for r in Fp8Recipe]
@@ -72,14 +74,19 @@ def test_recipes_cast_every_operand_as_torchao_does() -> None:
 
 def test_cast_stats_count_saturated_and_flushed_values() -> None:
     # e4m3: largest 448; smallest subnormal 2**-9, so |v| < 2**-10 becomes 0 (2**-10 ties to 0)
-    x = torch.tensor([500.0, -1000.0, 448.0, 2.0**-11, -(2.0**-12), 2.0**-10, 2.0**-9, 0.0, 1.0])
+    # 450 and 464 round to 448 (464 ties to even): no clipping; 465 would round to 480: clipped
+    x = torch.tensor(
+        [500.0, -1000.0, 448.0, 2.0**-11, -(2.0**-12), 2.0**-10, 2.0**-9, 0.0, 1.0, 450.0, 464.0]
+    )
     stats = cast_stats(x, torch.tensor(1.0), E4M3)
     assert int(stats.saturated) == 2  # 500 and -1000
     assert int(stats.flushed) == 3  # 2**-11, -2**-12 and 2**-10; the zero is not counted
     assert float(stats.amax) == 1000.0
-    assert stats.numel == 9
-    # e5m2 (largest 57344, smallest 2**-16) with a scale of 2: 2**-18 * 2 flushes, 4e4 * 2 saturates
-    y = torch.tensor([4e4, 2.0**-18, 1.0, 1.0])
+    assert stats.numel == 11
+    assert int(cast_stats(torch.tensor([465.0]), torch.tensor(1.0), E4M3).saturated) == 1
+    # e5m2 (largest 57344, smallest 2**-16) with a scale of 2: 2**-18 * 2 flushes, 4e4 * 2
+    # saturates, 3e4 * 2 rounds to 57344
+    y = torch.tensor([4e4, 2.0**-18, 1.0, 3e4])
     s5 = cast_stats(y, torch.tensor(2.0), E5M2)
     assert (int(s5.saturated), int(s5.flushed)) == (1, 1)
 
@@ -97,6 +104,38 @@ def test_dynamic_scale_and_quantize_match_the_closed_form() -> None:
     assert dq_row[1, 1] != 0
     assert int(cast_stats(x, scales, E4M3).flushed) == 1
     assert float(scale_of(torch.tensor(0.0), E4M3, False)) == pytest.approx(448e12)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_rounding_in_float32_is_the_cast(dtype: torch.dtype) -> None:
+    # every fp8 value, the midpoints between neighbours (ties go to even) and the floats
+    # just beside them, and random floats up to the largest fp8 value, both signs
+    grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].sort().values
+    mids = (grid[1:] + grid[:-1]) / 2
+    near = [mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9)), grid]
+    top = int(torch.tensor(torch.finfo(dtype).max).view(torch.int32))
+    bits = torch.randint(0, top + 1, (100_000,), generator=torch.Generator().manual_seed(0))
+    v = torch.cat([*near, bits.to(torch.int32).view(torch.float32)])
+    v = torch.cat([v, -v])
+    want = v.to(dtype).float()
+    got = v.clone()
+    round_to_fp8(got, dtype)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "columns"])
+def test_quantize_keeps_the_layout_and_is_the_cast(transposed: bool) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(200, 96) * torch.randn(200, 1).exp() * 4
+    x = x.t() if transposed else x
+    for dtype, dim, pow2 in ((E4M3, None, False), (E5M2, 0, True), (E4M3, -1, True)):
+        dq, scale = quantize(x, dtype, dim, pow2)
+        assert dq.stride() == x.stride()
+        assert torch.equal(dq, (x * scale).to(dtype).float() / scale)
+        bf16 = x.bfloat16()
+        dq16, scale16 = quantize(bf16, dtype, dim, pow2)
+        assert torch.equal(dq16, (bf16.float() * scale16).to(dtype).float() / scale16)
 
 
 # --- bit-identical to torchao -------------------------------------------------------------
@@ -229,6 +268,90 @@ def test_an_outlier_channel_fails_tensorwise_and_passes_rowwise() -> None:
             error = float((got - want).norm() / want.norm())
             assert error < bound if bound else error > 0.5
     assert model[2].weight.grad is None  # the report left gradients alone
+
+
+class ChannelOutlier(nn.Module):
+    """Multiplies feature 0 by 1e6: an outlier activation channel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gain = torch.ones(x.shape[-1], dtype=x.dtype)
+        gain[0] = 1e6
+        return x * gain
+
+
+def activation_outlier_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 32),
+        ChannelOutlier(),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.Linear(32, 4),
+    )
+
+
+def test_lint_names_the_fp8_layers_whose_weights_suffer() -> None:
+    model = outlier_model()
+    report = mixprec.lint(model, level="O2", dtype="bf16", fp8="tensorwise")
+    assert [(f.kind, f.place) for f in report] == [(FindingKind.FP8, "2 (Linear) weight")]
+    finding = report.findings[0]
+    assert "the output GEMM's cast of the weight flushes 96.9% of its values" in finding.problem
+    assert "fp8_filter=lambda module, name: name != '2'" in finding.fix
+    assert "fp32_modules=['2']" in finding.fix
+    assert "'rowwise' recipe" in finding.fix
+    # rowwise: the forward's per-channel scales are fine, grad_input reads the other axis
+    rowwise = mixprec.lint(model, level="O0", fp8="rowwise")
+    assert [f.problem.split(" the ")[1] for f in rowwise] == ["grad_input GEMM's cast of"]
+    # the fixes it names silence it; no fp8, or a clean model, finds nothing
+    keep_out = mixprec.lint(model, fp8="tensorwise", fp8_filter=lambda m, n: n == "4")
+    assert len(keep_out) == 0
+    assert len(mixprec.lint(model, dtype="bf16", fp8="tensorwise", fp32_modules=["2"])) == 0
+    assert len(mixprec.lint(model, dtype="bf16")) == 0
+    assert len(mixprec.lint(mlp(), dtype="bf16", fp8="tensorwise")) == 0
+    with pytest.raises(ValueError, match=r"fp8 must be one of .*'int8'"):
+        mixprec.lint(model, fp8="int8")
+    with pytest.raises(TypeError, match=r"fp8_filter must be a function.*'2'"):
+        mixprec.lint(model, fp8="rowwise", fp8_filter="2")  # type: ignore[arg-type]
+
+
+def test_lint_at_conversion_warns_about_fp8_weights() -> None:
+    with pytest.warns(UserWarning, match=r"mixprec lint: \[fp8 cast\] 2 \(Linear\) weight"):
+        mixprec.auto_mixed_precision(outlier_model(), "O0", fp8="tensorwise", lint=True)
+
+
+def test_find_overflow_with_fp8_names_an_activation_outlier() -> None:
+    # the weights are clean (lint finds nothing); the input of layer 2 has an outlier channel
+    model = activation_outlier_model()
+    assert len(mixprec.lint(model, fp8="tensorwise")) == 0
+    x = torch.randn(16, 16)
+    report = mixprec.find_overflow(model, x, level="O0", fp8="tensorwise")
+    assert not report.found  # finite: fp8 harm is not overflow
+    assert report.fp8 is not None
+    assert report.fp8.layers == ("2",)
+    worst = report.fp8.hurt[0]
+    assert (worst.gemm, worst.operand) == (Gemm.OUTPUT, "input")
+    assert worst.flushed > 0.5
+    text = str(report)
+    assert "fp8 (tensorwise): 1 layer(s) hurt beyond 1.0%" in text
+    assert "fp8 fix: keep '2' in bf16: fp8_filter=lambda module, name: name not in {'2'}" in text
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["fp8"]["hurt"][0]["layer"] == "2"
+    assert data["fp8"]["recipe"] == "tensorwise"
+    # rowwise scales each token, and the channel is in every token: still hurt
+    assert mixprec.find_overflow(model, x, level="O0", fp8="rowwise").fp8.layers == ("2",)
+    # a model with fp8 layers is read as it is; without fp8 there is no fp8 part
+    net = mixprec.auto_mixed_precision(model, "O0", fp8="tensorwise")
+    assert mixprec.find_overflow(net, x, level="O0").fp8.layers == ("2",)
+    converted = mixprec.auto_mixed_precision(model, "O2", "bf16", fp8="tensorwise", emulate=True)
+    assert mixprec.find_overflow(converted, x).fp8.layers == ("2",)
+    assert mixprec.find_overflow(model, x, level="O0").fp8 is None
+    assert (
+        mixprec.find_overflow(
+            model, x, level="O0", fp8_filter=lambda m, n: n == "4", fp8="tensorwise"
+        ).fp8.layers
+        == ()
+    )
 
 
 # --- every level trains with fp8 ------------------------------------------------------------

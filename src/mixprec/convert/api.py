@@ -105,7 +105,7 @@ def auto_mixed_precision(
             or a filter ``(module, qualified_name) -> bool``.
         low_modules: modules to run in low precision whatever the lists say.
         lint: run :func:`mixprec.lint` on the model at this level and warn about each
-            finding (constants and norm eps that do not fit the dtype).
+            finding (constants and norm eps that do not fit the dtype; the weights fp8 hurts).
         emulate: compute the low-precision matmuls, convolutions and attention with float32
             kernels on the rounded inputs, rounding each result (and gradient) to the low
             dtype: the level's numerics at float32 speed on a machine without native
@@ -138,18 +138,31 @@ def auto_mixed_precision(
     network = check_network(network)
     check_emulate(emulate)
     recipe = resolve(network, amp_level, dtype, fp32_modules=fp32_modules, low_modules=low_modules)
-    if lint and recipe.level is not Level.O0:
-        _warn_lint(network, recipe, fp32_modules)
+    if lint and (recipe.level is not Level.O0 or fp8 is not None):
+        _warn_lint(network, recipe, fp32_modules, fp8, fp8_filter)
     network = apply_fp8(
         network, fp8, filter=fp8_filter, fp32_pin=recipe.fp32_pin, emulate=emulate or None
     )
     return convert(network, recipe, emulate=emulate, declared_fp32=declared_fp32)
 
 
-def _warn_lint(network: nn.Module, recipe: Recipe, fp32_modules: Pins) -> None:
+def _warn_lint(
+    network: nn.Module,
+    recipe: Recipe,
+    fp32_modules: Pins,
+    fp8: str | None,
+    fp8_filter: Callable[[nn.Module, str], bool] | None,
+) -> None:
     from mixprec.diagnose.lint import lint
 
-    report = lint(network, level=recipe.level, dtype=recipe.dtype, fp32_modules=fp32_modules)
+    report = lint(
+        network,
+        level=recipe.level,
+        dtype=recipe.dtype,
+        fp32_modules=fp32_modules,
+        fp8=fp8,
+        fp8_filter=fp8_filter,
+    )
     for finding in report:
         warn(f"mixprec lint: {finding}")
 

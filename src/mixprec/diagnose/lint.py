@@ -12,7 +12,11 @@ master weights keep it in float32. The checks:
 - norm layers whose ``eps`` underflows in the dtype they run in: each such layer runs
   once on a zero-variance input in that dtype, so layers whose kernels compute in
   float32 inside (``torch.nn.LayerNorm`` and friends) are not flagged;
-- a fixed loss scale beyond the dtype's largest value (a dynamic one backs off).
+- a fixed loss scale beyond the dtype's largest value (a dynamic one backs off);
+- with ``fp8=``, the layers whose weights the recipe's casts damage (saturate or flush to
+  zero more than 1% of the values: an outlier channel under tensorwise scaling), with the
+  filter that keeps them out of fp8. Activations and gradients need a batch:
+  :func:`mixprec.find_overflow` with ``fp8=``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from torch import nn
 from mixprec._check import require_module
 from mixprec.convert.declared import with_declared_pins
 from mixprec.convert.module_level import convert_module_level
+from mixprec.fp8.recipes import Fp8Recipe
+from mixprec.fp8.report import Fp8Report, weight_report
+from mixprec.fp8.swap import Fp8Filter
 from mixprec.policy import lists
 from mixprec.policy.dtypes import device_of, dtype_name
 from mixprec.policy.levels import Level, Precision, Recipe, make_recipe, resolve
@@ -50,6 +57,7 @@ class FindingKind(str, enum.Enum):
     LARGE_CONSTANT = "large constant"
     NORM_EPS = "norm eps"
     LOSS_SCALE = "loss scale"
+    FP8 = "fp8 cast"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +263,22 @@ def _loss_scale(scaler: object, low: torch.dtype) -> Iterator[Finding]:
         )
 
 
+def _fp8(report: Fp8Report, low: str) -> Iterator[Finding]:
+    hint = ""
+    if report.recipe is Fp8Recipe.TENSORWISE:
+        hint = "; or the 'rowwise' recipe (per-row scales isolate an outlier channel)"
+    for row in report.hurt:
+        yield Finding(
+            FindingKind.FP8,
+            f"{row.layer} (Linear) weight",
+            f"in fp8 ({report.recipe.value}) the {row.gemm.value} GEMM's cast of the weight "
+            f"flushes {row.flushed:.1%} of its values to zero and saturates "
+            f"{row.saturated:.1%} (amax {row.amax:.3g})",
+            f"keep it out of fp8, in {low}: fp8_filter=lambda module, name: name != "
+            f"{row.layer!r} (or in float32: fp32_modules=[{row.layer!r}]){hint}",
+        )
+
+
 def lint(
     network: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -264,6 +288,8 @@ def lint(
     master_weights: bool = True,
     loss_scale_manager: LossScaleManager | LossScaler | None = None,
     fp32_modules: Any = None,
+    fp8: Fp8Recipe | str | None = None,
+    fp8_filter: Fp8Filter | None = None,
 ) -> LintReport:
     """Find settings that cannot work at ``level`` in ``dtype``, before training.
 
@@ -276,6 +302,10 @@ def lint(
             training keeps them by default); without, its state is in ``dtype``.
         loss_scale_manager: the loss-scale manager (or functional scaler) to check.
         fp32_modules: the module pins the model will be converted with.
+        fp8: the fp8 recipe the model will train with (None: no fp8): the weights of the
+            layers it puts in fp8 are cast as the recipe casts them.
+        fp8_filter: the ``(module, qualified_name) -> bool`` choosing the fp8 layers
+            (default: as :func:`mixprec.fp8.apply_fp8`).
 
     Returns:
         A :class:`LintReport`: prints one line per finding, ``.to_dict()`` for JSON,
@@ -284,7 +314,7 @@ def lint(
     Raises:
         TypeError: ``network`` is not a module, ``optimizer`` not an optimizer,
             ``loss_scale_manager`` neither a manager nor a scaler.
-        ValueError: unknown level or dtype.
+        ValueError: unknown level, dtype or fp8 recipe.
 
     Example:
         >>> report = mixprec.lint(model, torch.optim.Adam(model.parameters()), dtype="fp16",
@@ -308,8 +338,17 @@ def lint(
     recipe = resolve(network, level, dtype, fp32_modules=fp32_modules, argument="level")
     recipe = with_declared_pins(network, recipe)  # as conversion adds them
     parsed, low = recipe.level, recipe.dtype
+    fp8_findings: list[Finding] = []
+    if fp8 is not None:
+        if fp8_filter is not None and not callable(fp8_filter):
+            raise TypeError(
+                f"fp8_filter must be a function (module, qualified_name) -> bool; got {fp8_filter!r}"
+            )
+        report = weight_report(network, fp8, filter=fp8_filter, fp32_pin=recipe.fp32_pin)
+        low_name = "float32" if parsed is Level.O0 else dtype_name(low)
+        fp8_findings += _fp8(report, low_name)
     if parsed is Level.O0:
-        return LintReport(parsed.value, "float32", ())
+        return LintReport(parsed.value, "float32", tuple(fp8_findings))
     runs_low = _runs_low(recipe, network)
     names = {id(p): n for n, p in network.named_parameters()}
     findings: list[Finding] = []
@@ -318,4 +357,5 @@ def lint(
     findings += _constants(network, runs_low, low)
     findings += _norms(network, runs_low, recipe)
     findings += _loss_scale(loss_scale_manager, low)
+    findings += fp8_findings
     return LintReport(parsed.value, dtype_name(low), tuple(findings))

@@ -14,6 +14,10 @@ probes are removed afterwards, also on error, and the run leaves the model as it
   (backward only), the model is non-finite in float32 too (not a precision problem),
   keep the culprit in float32 (or its nearest enclosing module that makes it finite),
   bfloat16 instead of float16.
+
+With ``fp8=`` (or a network already holding emulated fp8 layers) the chosen linear layers
+run in emulated fp8 and the report adds which of them the fp8 casts hurt, from their
+statistics over the same run (:mod:`mixprec.fp8.report`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ from mixprec.convert.plan import Conversion
 from mixprec.convert.structure import conversion_of
 from mixprec.diagnose.probes import Event, Phase, Recorder, preserved, tensor_leaves
 from mixprec.diagnose.report import Culprit, Fix, FixKind, OverflowReport
+from mixprec.fp8.linear import Fp8Linear
+from mixprec.fp8.recipes import Fp8Recipe
+from mixprec.fp8.report import DEFAULT_THRESHOLD, Fp8Report
+from mixprec.fp8.stats import fp8_stats
+from mixprec.fp8.swap import Fp8Filter, apply_fp8
 from mixprec.policy.dtypes import device_of, dtype_name, resolve_dtype
 from mixprec.policy.levels import Level, Precision, Recipe, make_recipe, recommend
 from mixprec.policy.ops import cast_tree
@@ -186,7 +195,12 @@ def backward_culprit(events: list[Event]) -> Culprit | None:
 
 
 def report_of(
-    outcome: Outcome, level: Level, dtype: torch.dtype | None, loss_scale: float, fix: Fix
+    outcome: Outcome,
+    level: Level,
+    dtype: torch.dtype | None,
+    loss_scale: float,
+    fix: Fix,
+    fp8: Fp8Report | None = None,
 ) -> OverflowReport:
     forward = forward_culprit(outcome.events)
     if forward is None and outcome.loss is not None and not math.isfinite(outcome.loss):
@@ -205,7 +219,26 @@ def report_of(
         loss=outcome.loss,
         nonfinite_params=outcome.nonfinite_params,
         fix=fix,
+        fp8=fp8,
     )
+
+
+def probe_fp8(
+    network: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    loss_fn: LossFn | None,
+    target: Any,
+    loss_scale: float,
+) -> tuple[Outcome, Fp8Report | None]:
+    """:func:`probe`, with the fp8 report of the network's emulated fp8 layers (if any)."""
+    layers = [m for m in network.modules() if isinstance(m, Fp8Linear)]
+    if not layers:
+        return probe(network, args, kwargs, loss_fn, target, loss_scale), None
+    with fp8_stats(network) as stats:
+        outcome = probe(network, args, kwargs, loss_fn, target, loss_scale)
+    recipe = layers[0].fp8_config.recipe
+    return outcome, Fp8Report.from_stats(recipe, stats, DEFAULT_THRESHOLD)
 
 
 # ---------------------------------------------------------------------- the fix
@@ -281,6 +314,8 @@ def find_overflow(
     level: str | Level = "O2",
     dtype: torch.dtype | str | None = None,
     loss_scale: float = 1.0,
+    fp8: Fp8Recipe | str | None = None,
+    fp8_filter: Fp8Filter | None = None,
     **kwargs: Any,
 ) -> OverflowReport:
     """Find the first module whose output or gradient is not finite, and the smallest fix.
@@ -303,14 +338,20 @@ def find_overflow(
         dtype: the low-precision dtype (None: the device's usual one).
         loss_scale: what the loss is multiplied by before the backward (from 1 to
             float32's largest value).
+        fp8: an fp8 recipe (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``):
+            the chosen linear layers run in emulated fp8 (in every re-run too), and the
+            report's ``fp8`` names the layers the casts hurt, with the filter that keeps
+            them in bf16. Unused for a converted network (its own fp8 layers are read).
+        fp8_filter: the ``(module, qualified_name) -> bool`` choosing the fp8 layers
+            (default: as :func:`mixprec.fp8.apply_fp8`).
 
     Returns:
         An :class:`OverflowReport`: prints readably, ``.to_dict()`` for JSON.
 
     Raises:
         TypeError: ``network`` is not a module; the output has nothing to differentiate.
-        ValueError: unknown level or dtype; ``loss_scale`` below 1, infinite or beyond
-            float32's range.
+        ValueError: unknown level, dtype or fp8 recipe; ``loss_scale`` below 1, infinite
+            or beyond float32's range.
 
     Example:
         >>> report = mixprec.find_overflow(model, x, loss_fn=F.cross_entropy, target=y,
@@ -333,11 +374,16 @@ def find_overflow(
     conversion = conversion_of(network)
     if isinstance(conversion, Conversion):
         recipe = conversion.recipe
-        outcome = probe(network, inputs, kwargs, loss_fn, target, loss_scale)
+        outcome, fp8_found = probe_fp8(network, inputs, kwargs, loss_fn, target, loss_scale)
         culprit = forward_culprit(outcome.events) or backward_culprit(outcome.events)
         fp32 = _fp32_modules(recipe, network)
         fix = find_fix(outcome, culprit, None, recipe.level, recipe.dtype, loss_scale, fp32)
-        return report_of(outcome, recipe.level, recipe.dtype, loss_scale, fix)
+        return report_of(outcome, recipe.level, recipe.dtype, loss_scale, fix, fp8_found)
+    parsed_fp8 = None if fp8 is None else Fp8Recipe.parse(fp8, "fp8")
+    if fp8_filter is not None and not callable(fp8_filter):
+        raise TypeError(
+            f"fp8_filter must be a function (module, qualified_name) -> bool; got {fp8_filter!r}"
+        )
 
     parsed = Level.parse(level, "level")
     low = None if dtype is None else resolve_dtype(dtype)
@@ -346,18 +392,31 @@ def find_overflow(
     if parsed is not Level.O0 and low is None:
         low = resolve_dtype(None, device_of(network))
 
-    def rerun(at: Level, in_dtype: torch.dtype | None, pins: list[str]) -> Outcome:
-        model = auto_mixed_precision(network, at, in_dtype, fp32_modules=pins or None)
-        return probe(model, inputs, kwargs, loss_fn, target, loss_scale)
+    def convert_at(at: Level, in_dtype: torch.dtype | None, pins: list[str]) -> nn.Module:
+        base = network
+        if parsed_fp8 is not None:  # emulated fp8 layers, whose statistics can be read
+            pinned = set(pins)
+            base = apply_fp8(
+                network,
+                parsed_fp8,
+                filter=fp8_filter,
+                fp32_pin=lambda module, name: name in pinned,
+                emulate=True,
+            )
+        return auto_mixed_precision(base, at, in_dtype, fp32_modules=pins or None)
 
-    outcome = rerun(parsed, low, [])
+    def rerun(at: Level, in_dtype: torch.dtype | None, pins: list[str]) -> Outcome:
+        return probe(convert_at(at, in_dtype, pins), inputs, kwargs, loss_fn, target, loss_scale)
+
+    model = convert_at(parsed, low, [])
+    outcome, fp8_found = probe_fp8(model, inputs, kwargs, loss_fn, target, loss_scale)
     culprit = forward_culprit(outcome.events) or backward_culprit(outcome.events)
     at_level = None if low is None else make_recipe(parsed, low, device_of(network))
     already = (
         set() if at_level is None else _fp32_modules(with_declared_pins(network, at_level), network)
     )
     fix = find_fix(outcome, culprit, rerun, parsed, low, loss_scale, already)
-    return report_of(outcome, parsed, low, loss_scale, fix)
+    return report_of(outcome, parsed, low, loss_scale, fix, fp8_found)
 
 
 def _fp32_modules(recipe: Recipe, network: nn.Module) -> set[str]:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from mixprec.diagnose.probes import Event
+from mixprec.fp8.report import Fp8Report
 from mixprec.policy.dtypes import dtype_name
 
 __all__ = ["Culprit", "Fix", "FixKind", "OverflowReport"]
@@ -116,6 +117,8 @@ class OverflowReport:
         loss: the loss value (None when there was nothing to differentiate).
         nonfinite_params: names of the parameters whose gradient is not finite.
         fix: the smallest fix found.
+        fp8: with fp8 layers, which of them the fp8 casts hurt (saturate or flush to zero
+            more than 1% of an operand's values), and the filter that keeps them in bf16.
     """
 
     level: str
@@ -126,6 +129,7 @@ class OverflowReport:
     loss: float | None
     nonfinite_params: tuple[str, ...]
     fix: Fix
+    fp8: Fp8Report | None = None
 
     @property
     def found(self) -> bool:
@@ -161,13 +165,27 @@ class OverflowReport:
     def to_dict(self) -> dict[str, Any]:
         """A dict of every field for strict JSON: a non-finite number (a NaN or infinite
         loss) is the string ``"nan"``, ``"inf"`` or ``"-inf"``, as JSON has none."""
-        data = dataclasses.asdict(self)
+        fp8 = None if self.fp8 is None else self.fp8.to_dict()
+        data = dataclasses.asdict(dataclasses.replace(self, fp8=None))
+        data["fp8"] = fp8
         data["fix"]["kind"] = self.fix.kind.value
         data["nonfinite_params"] = list(self.nonfinite_params)
         data["found"] = self.found
         return _json_numbers(data)
 
     def __str__(self) -> str:
+        return "\n".join([self._finite_part(), *self._fp8_lines()])
+
+    def _fp8_lines(self) -> list[str]:
+        if self.fp8 is None:
+            return []
+        fp8 = self.fp8
+        head = (
+            f"  fp8 ({fp8.recipe.value}): {len(fp8.hurt)} layer(s) hurt beyond {fp8.threshold:.1%}"
+        )
+        return [head, *(f"    {line}" for line in fp8.lines()), f"  fp8 fix: {fp8.suggestion()}"]
+
+    def _finite_part(self) -> str:
         head = f"find_overflow: level {self.level}, {self.dtype}, loss scale {self.loss_scale:g}"
         if not self.found:
             return f"{head}: every module output, gradient and the loss are finite"

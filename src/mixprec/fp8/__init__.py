@@ -11,7 +11,8 @@ bit-identical to torchao's ``emulate=True``.
 * :mod:`~mixprec.fp8.linear`: :class:`Fp8Linear`, the emulated layer;
 * :mod:`~mixprec.fp8.swap`: :func:`apply_fp8`, the module swap and its default filter;
 * :mod:`~mixprec.fp8.stats`: :func:`fp8_stats`, per-layer statistics on request;
-* :mod:`~mixprec.fp8.report`: :func:`fp8_report`, the layers fp8 hurts.
+* :mod:`~mixprec.fp8.report`: :func:`fp8_report` and :func:`weight_report`, the layers fp8
+  hurts (also in :func:`mixprec.lint` and :func:`mixprec.find_overflow` with ``fp8=``).
 
 Example:
     >>> net = mixprec.auto_mixed_precision(model, "O2", "bf16", fp8="rowwise", emulate=True)
@@ -22,7 +23,7 @@ Example:
 
 from mixprec.fp8.linear import Fp8Linear
 from mixprec.fp8.recipes import Fp8Config, Fp8Recipe, Gemm
-from mixprec.fp8.report import Fp8Report, fp8_report
+from mixprec.fp8.report import Fp8Report, fp8_report, weight_report
 from mixprec.fp8.stats import Fp8Stats, Fp8StatsRow, fp8_stats
 from mixprec.fp8.swap import Fp8Filter, apply_fp8, default_fp8_filter, fp8_layers
 
@@ -40,4 +41,5 @@ __all__ = [
     "fp8_layers",
     "fp8_report",
     "fp8_stats",
+    "weight_report",
 ]

@@ -7,7 +7,9 @@ casts an operand the same way for two GEMMs (tensorwise: the input for ``output`
 ``grad_weight``, the weight for ``output`` and ``grad_input``, the output gradient for both
 backward GEMMs), it is cast once and the dequantized tensor reused: the same bits, half the
 work. High-precision GEMMs (``rowwise_with_gw_hp``'s ``grad_weight``) of float16/bfloat16
-operands run as a float32 GEMM rounded once to the operands' dtype.
+operands run as a float32 GEMM rounded once to the operands' dtype. The layer does its own
+precision: the torch-function modes of a level (O1's lists, the low-precision emulation)
+stand aside inside it.
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ class _Fp8Matmul(torch.autograd.Function):
         weight_t: torch.Tensor,
         layer: Fp8Linear,
     ) -> torch.Tensor:
+        with torch._C.DisableTorchFunction():  # the level's modes stand aside
+            return _Fp8Matmul._forward(ctx, input_hp, weight_t, layer)
+
+    @staticmethod
+    def _forward(
+        ctx: Any, input_hp: torch.Tensor, weight_t: torch.Tensor, layer: Fp8Linear
+    ) -> torch.Tensor:
         # The layer, not its attributes: a traced graph reads the recorder at run time.
         config, recorder, name = layer.fp8_config, layer._fp8_recorder, layer.fp8_name
         c, pow2, want = config, config.pow2_scales, recorder is not None
@@ -82,6 +91,11 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        with torch._C.DisableTorchFunction():
+            return _Fp8Matmul._backward(ctx, grad_output)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight_t = ctx.saved_tensors
         c: Fp8Config = ctx.config
         pow2, recorder = c.pow2_scales, ctx.recorder

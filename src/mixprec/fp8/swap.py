@@ -28,7 +28,14 @@ from mixprec.convert.structure import structural_copy
 from mixprec.fp8.linear import Fp8Linear
 from mixprec.fp8.recipes import Fp8Config, Fp8Recipe
 
-__all__ = ["Fp8Filter", "apply_fp8", "default_fp8_filter", "fp8_layers", "native_fp8_missing"]
+__all__ = [
+    "Fp8Filter",
+    "apply_fp8",
+    "chosen_layers",
+    "default_fp8_filter",
+    "fp8_layers",
+    "native_fp8_missing",
+]
 
 #: A filter choosing the layers: ``(module, qualified_name) -> bool``.
 Fp8Filter = Callable[[nn.Module, str], bool]
@@ -65,6 +72,19 @@ def default_fp8_filter(model: nn.Module) -> Fp8Filter:
         )
 
     return choose
+
+
+def chosen_layers(
+    model: nn.Module, filter: Fp8Filter | None, fp32_pin: Fp8Filter | None
+) -> list[tuple[str, nn.Linear]]:
+    """The linear layers ``apply_fp8`` puts in fp8: chosen by ``filter`` (default
+    :func:`default_fp8_filter`), not pinned by ``fp32_pin``; by qualified name."""
+    choose = default_fp8_filter(model) if filter is None else filter
+    return [
+        (name, module)
+        for name, module in _candidates(model)
+        if choose(module, name) and not (fp32_pin is not None and fp32_pin(module, name))
+    ]
 
 
 def native_fp8_missing(device: torch.device) -> str | None:
@@ -148,12 +168,7 @@ def apply_fp8(
         missing = native_fp8_missing(device)
         if missing is not None:
             raise ValueError(f"{missing}. Pass emulate=True to check fp8 numerics anywhere")
-    choose = default_fp8_filter(model) if filter is None else filter
-    chosen = {
-        name
-        for name, module in _candidates(model)
-        if choose(module, name) and not (fp32_pin is not None and fp32_pin(module, name))
-    }
+    chosen = {name for name, _ in chosen_layers(model, filter, fp32_pin)}
     copy = model if inplace else structural_copy(model)
     if emulate:
         return _swap(
