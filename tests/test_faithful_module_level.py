@@ -36,15 +36,17 @@ def _quiet_slow_dtype_warning(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _watch(model: nn.Module, weights: bool = True) -> dict[str, set[torch.dtype]]:
-    """Forward hooks recording, per Linear, the dtypes of its input, output and (when
-    ``weights``) weight. A hook runs inside its parent's call, not its own: on a module
-    called from outside the model, it reads the stored float32 weight."""
+    """Forward hooks recording, per Linear, the dtypes of its output and (when
+    ``weights``) weight: what it computes in. (Its hooks see the arguments its caller
+    passed, as under ``torch.autocast``: a layer casts its inputs inside its own call.) A
+    hook runs inside its parent's call, not its own: on a module called from outside the
+    model, it reads the stored float32 weight."""
     seen: dict[str, set[torch.dtype]] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
 
             def hook(mod: nn.Module, args: Any, out: Any, name: str = name) -> None:
-                found = {args[0].dtype, out.dtype} | ({mod.weight.dtype} if weights else set())
+                found = {out.dtype} | ({mod.weight.dtype} if weights else set())
                 seen.setdefault(name, set()).update(found)
 
             module.register_forward_hook(hook)

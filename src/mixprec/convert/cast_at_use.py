@@ -15,12 +15,19 @@ conversion runs**, in the thread that runs it:
    outermost call and thread (a tied weight is cast once), so ``self.weight.dtype`` and
    ``self.parameters()`` say what the module computes in; outside a call it returns the
    stored Parameter. Nothing shared is mutated, so two threads can run one model at once;
-3. while a call runs, :class:`MixedOperands` applies ``torch.autocast``'s rule to
-   operands the model itself mixes (a float32 buffer, a tensor made with ``.float()`` or
+3. in the code of the module a call entered by (the root, or a submodule called
+   directly), of loss modules and of modules that hold floating buffers,
+   :class:`MixedOperands` applies ``torch.autocast``'s rule to operands the model itself
+   mixes (a float32 buffer, a tensor made with ``.float()`` or
    a float32 mask, meeting a low-precision activation): an op on autocast's
    lower-precision list (``linear``, ``matmul``, ``conv*``, ``bmm``, ``addmm``,
    ``baddbmm``, ``einsum``, attention, ...) computes in the low dtype; every other op
-   follows PyTorch's type promotion (float32 wins), never a dtype error.
+   follows PyTorch's type promotion (float32 wins), never a dtype error. Every other
+   module's code runs with no mode at all, as PyTorch runs it: the mode's Python call per
+   op cost more host time than the rest of the conversion together (a model that makes a
+   float32 tensor in such a module and feeds it to a matmul with low activations gets
+   PyTorch's dtype error, with a note saying how to fix it, as a pure low-precision model
+   would).
 
 Weights are cast afresh on each outermost call (once per weight), so every write to a
 Parameter (in place, ``.data``, ``load_state_dict``, a fused optimizer that bumps no
@@ -39,7 +46,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -54,7 +60,9 @@ __all__ = [
     "LowParameters",
     "MixedOperands",
     "ModuleCall",
+    "cast_args",
     "low_precision_parameters",
+    "settled",
 ]
 
 _LOWER_OPS = lists.CPU_LOWER_OPS | lists.CUDA_LOWER_OPS
@@ -92,10 +100,11 @@ def write_back(stored: torch.Tensor, low: torch.Tensor) -> None:
 class _Frame:
     """One thread's outermost running call of a conversion: its casts and its mode."""
 
-    __slots__ = ("casts", "depth", "extra", "mode")
+    __slots__ = ("active", "casts", "depth", "extra", "mode")
 
     def __init__(self, mode: MixedOperands) -> None:
         self.depth = 0
+        self.active = False  # whether ``mode`` is on the torch-function stack now
         # id(stored) -> (stored, its cast, the cast's version when made)
         self.casts: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.mode = mode
@@ -138,6 +147,7 @@ class CastState:
         frame.depth += 1
         if frame.depth == 1:
             frame.mode.__enter__()
+            frame.active = True
             extra = self.emulation
             if extra is not None:
                 frame.extra = extra()
@@ -148,15 +158,17 @@ class CastState:
         frame.depth -= 1
         if frame.depth == 0:
             try:
-                for stored, low, version in frame.casts.values():
-                    if low is not stored and _version(low) != version:
-                        write_back(stored, low)  # the forward wrote into ``self.weight``
+                with torch._C.DisableTorchFunction():
+                    for stored, low, version in frame.casts.values():
+                        if low is not stored and _version(low) != version:
+                            write_back(stored, low)  # the forward wrote into ``self.weight``
             finally:
                 frame.casts.clear()
                 if frame.extra is not None:
                     frame.extra.__exit__(None, None, None)
                     frame.extra = None
                 frame.mode.__exit__(None, None, None)
+                frame.active = False
 
     def low(self, tensor: torch.Tensor, frame: _Frame) -> torch.Tensor:
         """``tensor`` in the low dtype, cast once per outermost call."""
@@ -168,7 +180,7 @@ class CastState:
             low = tensor
             if tensor.dtype != self.dtype and is_castable(tensor):
                 low = tensor.to(self.dtype)
-        frame.casts[id(tensor)] = (tensor, low, _version(low))
+            frame.casts[id(tensor)] = (tensor, low, _version(low))
         return low
 
 
@@ -189,10 +201,18 @@ class LowParameters(dict[str, Any]):
         value = dict.__getitem__(self, name)
         if value is None or name not in self.names:
             return value
-        if _tracing():
+        if torch.compiler.is_compiling():
+            if torch.compiler.is_exporting():
+                frame = self.state.frame()
+                return value if frame is None else self.state.low(value, frame)
             return value.to(self.state.dtype) if is_castable(value) else value
-        frame = self.state.frame()
-        return value if frame is None else self.state.low(value, frame)
+        frame = getattr(self.state._local, "frame", None)
+        if frame is None or not frame.depth:
+            return value
+        hit = frame.casts.get(id(value))
+        if hit is not None and hit[0] is value:
+            return hit[1]
+        return self.state.low(value, frame)
 
     def items(self) -> Any:
         if _tracing() or self.state.frame() is None:
@@ -241,16 +261,15 @@ class MixedOperands(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = _kind(func)
+            if not torch.compiler.is_compiling():  # no state the compiler would have to guard
+                self._kinds[func] = kind
+        if kind == _FOLLOW:
+            return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
             kwargs = {}
-        if torch.compiler.is_compiling():  # no state the compiler would have to guard
-            kind = _kind(func)
-        else:
-            kind = self._kinds.get(func, -1)
-            if kind < 0:
-                kind = self._kinds[func] = _kind(func)
-        if kind == _FOLLOW:
-            return func(*args, **kwargs)
         if kind == _LOWER:
             if self._mixed(args, kwargs) and only_plain_tensors(args, kwargs):
                 args, kwargs = cast_tree((args, kwargs), self.dtype)
@@ -277,13 +296,77 @@ class MixedOperands(TorchFunctionMode):
         return low and wide
 
 
+def settled(values: Any, dtype: torch.dtype) -> bool:
+    """No value needs a cast to ``dtype`` (checked without walking containers)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.dtype != dtype and is_castable(value):
+                return False
+        elif not isinstance(value, (int, float, bool, str, type(None))):
+            return False  # a container: let cast_tree look inside
+    return True
+
+
+def cast_args(
+    args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with every floating tensor in them cast to ``dtype``
+    (containers included); the same objects when nothing needs a cast."""
+    with torch._C.DisableTorchFunction():  # mixprec's casts are not the model's ops
+        if settled(args, dtype) and (not kwargs or settled(kwargs.values(), dtype)):
+            return args, kwargs  # the common case: nothing to cast, no tree walk
+        cast: tuple[tuple[Any, ...], dict[str, Any]] = cast_tree((args, kwargs), dtype)
+    return cast
+
+
+def _floating(buffers: dict[str, Any]) -> bool:
+    """Whether a module holds a floating buffer (a float32 operand its code may mix)."""
+    if not buffers:
+        return False
+    with torch._C.DisableTorchFunction():
+        return any(is_castable(value) for value in buffers.values())
+
+
+#: Words in PyTorch's errors for operands of different dtypes.
+_DTYPE_ERRORS = ("dtype", "scalar type", "type (", "same type")
+_MIXED_NOTE = (
+    "mixprec: if this op mixed a float32 tensor the model made (torch.ones, .float(), a "
+    "float32 mask) with {dtype} activations, cast it with .to(x.dtype) where it is made, or "
+    "pin its module to float32 (fp32_modules=...). The mixed-operand rule (autocast's, for "
+    "matmul, linear, conv, ... and losses) applies in the code of the model's entry module, "
+    "of loss modules and of modules that hold floating buffers."
+)
+
+
+def _explain_mixed(error: RuntimeError, dtype: torch.dtype) -> None:
+    """Add a note to a dtype error raised inside a converted model (once)."""
+    message = str(error)
+    note = _MIXED_NOTE.format(dtype=str(dtype).removeprefix("torch."))
+    if any(word in message for word in _DTYPE_ERRORS) and note not in getattr(
+        error, "__notes__", ()
+    ):
+        error.add_note(note)
+
+
+def _cast_top(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` cast to ``dtype`` when it is a floating tensor; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.dtype != dtype and is_castable(value):
+        return value.to(dtype)
+    return value
+
+
 class ModuleCall:
     """The instance ``forward`` of every module of a conversion.
 
     Runs the module's own ``forward`` (the instance's, if it had one, else its class's)
-    as a running call of the conversion; the root also casts floating inputs to the low
-    dtype and floating outputs to ``output_dtype``. Recurrent layers run on a per-call
-    view whose flat weights are the casts, so the shared module is never written.
+    as a running call of the conversion. Inside a running call (the common case: a
+    submodule called by its parent) that costs one thread-local read, plus, for a
+    low-precision module with weights, the cast of its floating inputs down (``dtype``;
+    no-op checks when they already are). The root (and any module called from
+    outside a running call) enters the call; the root also casts its floating tensor
+    arguments to the low dtype and floating outputs to ``output_dtype``. Recurrent layers
+    run on a per-call view whose flat weights are the casts, so the shared module is never
+    written.
     """
 
     def __init__(
@@ -294,15 +377,31 @@ class ModuleCall:
         root: bool = False,
         output_dtype: torch.dtype | None = None,
         float32: bool = False,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.module = module
         self.state = state
+        self.local = state._local
         self.root = root
         #: what the root casts floating inputs to: float32 for a root pinned to float32
         self.input_dtype = torch.float32 if float32 else state.dtype
         self.output_dtype = output_dtype
         self.float32 = float32  # a float32 island: an outer torch.autocast is off inside
+        self.dtype = dtype  # what floating inputs are cast to (None: taken as they come)
         self.inner: Callable[..., Any] | None = module.__dict__.get("forward")
+        #: a loss module: its own code runs under the mixed-operand rule (a loss in float32)
+        self.loss = isinstance(module, nn.modules.loss._Loss)
+        #: a call that needs more than the fast path when it runs inside a running call
+        self.special = float32 or isinstance(module, nn.RNNBase)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["local"]  # a thread-local cannot be copied: the copy's state has its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.local = self.state._local
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -318,16 +417,69 @@ class ModuleCall:
         return code if isinstance(code, types.CodeType) else type(self).__call__.__code__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        given: list[Any] = []
+        if not self.root and not torch.compiler.is_compiling():
+            frame = getattr(self.local, "frame", None)
+            if frame is not None and frame.depth and not self.special:
+                # a submodule called by its parent: the hot path
+                dtype = self.dtype
+                if dtype is not None:
+                    args, kwargs = cast_args(args, kwargs, dtype)
+                if self.loss or _floating(self.module._buffers):
+                    if not frame.active:
+                        return self._moded(frame, True, args, kwargs)
+                elif frame.active:
+                    return self._moded(frame, False, args, kwargs)
+                inner = self.inner
+                if inner is not None:
+                    return inner(*args, **kwargs)
+                return type(self.module).forward(self.module, *args, **kwargs)
+        return self._enter(args, kwargs)
+
+    def _moded(self, frame: _Frame, on: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the module's own code with the conversion's :class:`MixedOperands` mode on
+        (``on``) or off, and put it back as it was."""
+        mode = frame.mode
+        if not on:
+            depth = torch._C._len_torch_function_stack()
+            if not depth or torch._C._get_function_stack_at(depth - 1) is not mode:
+                return self._own(args, kwargs)  # another mode above it: leave the stack be
+            torch._C._pop_torch_function_stack()
+        else:
+            torch._C._push_on_torch_function_stack(mode)
+        frame.active = on
+        try:
+            return self._own(args, kwargs)
+        finally:
+            if on:
+                torch._C._pop_torch_function_stack()
+            else:
+                torch._C._push_on_torch_function_stack(mode)
+            frame.active = not on
+
+    def _enter(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call that enters the conversion (the root, or a module called directly),
+        or one that needs more than the hot path (a float32 island, a recurrent layer)."""
+        given: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         if self.root:
-            given = pytree.tree_leaves((args, kwargs))
-            args, kwargs = cast_tree((args, kwargs), self.input_dtype)
+            dtype = self.input_dtype
+            cast_pos = tuple(_cast_top(value, dtype) for value in args)
+            cast_kwargs = {name: _cast_top(value, dtype) for name, value in kwargs.items()}
             if not _tracing():
                 given = [
                     (leaf, cast, _version(cast))
-                    for leaf, cast in zip(given, pytree.tree_leaves((args, kwargs)), strict=False)
-                    if isinstance(leaf, torch.Tensor) and cast is not leaf
+                    for leaf, cast in zip(
+                        (*args, *kwargs.values()),
+                        (*cast_pos, *cast_kwargs.values()),
+                        strict=True,
+                    )
+                    if cast is not leaf
                 ]
+            args, kwargs = cast_pos, cast_kwargs
+        elif self.dtype is not None:
+            if torch.compiler.is_compiling():  # no torch-function state inside a graph
+                args, kwargs = cast_tree((args, kwargs), self.dtype)
+            else:
+                args, kwargs = cast_args(args, kwargs, self.dtype)
         if _tracing():
             out = self._run(args, kwargs)
         else:
@@ -337,6 +489,10 @@ class ModuleCall:
             frame = self.state.enter()
             try:
                 out = self._run(args, kwargs)
+            except RuntimeError as error:
+                if frame.depth == 1:
+                    _explain_mixed(error, self.state.dtype)
+                raise
             finally:
                 self.state.exit(frame)
             for leaf, cast, version in given:

@@ -6,7 +6,9 @@ of running it (the root's ``forward``, a submodule, another method such as
 ``generate()``, a checkpointed recomputation, two threads at once) computes the same:
 
 1. every module gets an instance ``forward`` (:class:`~.cast_at_use.ModuleCall`); the
-   root's casts floating inputs to the low dtype and floating outputs to float32;
+   root's casts its floating tensor arguments to the low dtype (tensors inside containers,
+   such as a detection model's targets, are left to the modules that use them) and
+   floating outputs to float32;
 2. a module whose Parameters compute in low precision reads them, while it runs, as casts
    made once per outermost call (:class:`~.cast_at_use.LowParameters`); the stored
    Parameters keep their dtype and identity, so gradients reach the float32 Parameters,
@@ -15,14 +17,18 @@ of running it (the root's ``forward``, a submodule, another method such as
    (running statistics, counters and EMAs updated in place keep float32 precision);
 3. modules that run in float32 (norms on the black list, modules pinned to float32,
    parametrizations, whose math runs on the float32 original) have their inputs cast up
-   and their outputs cast back down by hooks; batch and instance norms that compute in
+   and their outputs cast back down by hooks (so their own hooks see what they compute
+   with); batch and instance norms that compute in
    low precision (O3) keep float32 weights and running statistics, which their kernels
    take with a low-precision input;
-4. every low-precision module with weights casts its floating inputs down (a no-op when
-   they already are), so a tensor the model makes in float32 inside its forward still
+4. every low-precision module with weights casts its floating inputs down in its
+   ``ModuleCall`` (a no-op when they already are; no hook, so a module without hooks of
+   the user's keeps ``nn.Module``'s fast call path), so a tensor the model makes in float32 inside its forward still
    reaches the next layer in low precision, as MindSpore casts each cell's inputs;
 5. operands the model itself mixes follow ``torch.autocast``'s rule
-   (:class:`~.cast_at_use.MixedOperands`), never a dtype error.
+   (:class:`~.cast_at_use.MixedOperands`) in the code of the entry module (the root, or
+   a submodule called directly), of loss modules and of modules that hold floating
+   buffers, where a model mixes them (a loss on the logits, a float32 buffer in a matmul).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.convert.cast_at_use import CastState, LowParameters, ModuleCall
+from mixprec.convert.cast_at_use import CastState, LowParameters, ModuleCall, settled
 from mixprec.convert.plan import Cast, CastPlan, Conversion, PlanRow, RowKind, dtype_name
 from mixprec.convert.structure import (
     CONVERSION_ATTR,
@@ -52,22 +58,11 @@ from mixprec.policy.ops import cast_tree
 __all__ = ["ExtraRepr", "convert_module_level"]
 
 
-def _settled(values: Any, dtype: torch.dtype) -> bool:
-    """No value needs a cast to ``dtype`` (checked without walking containers)."""
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            if value.dtype != dtype and is_castable(value):
-                return False
-        elif not isinstance(value, (int, float, bool, str, type(None))):
-            return False  # a container: let cast_tree look inside
-    return True
-
-
 def _cast_inputs_hook(
     dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     with torch._C.DisableTorchFunction():  # mixprec's casts are not the model's ops
-        if _settled(args, dtype) and _settled(kwargs.values(), dtype):
+        if settled(args, dtype) and settled(kwargs.values(), dtype):
             return None  # the common case: nothing to cast, no tree walk
         return cast_tree(args, dtype), cast_tree(kwargs, dtype)
 
@@ -106,7 +101,9 @@ def convert_module_level(
     pinned = recipe.module_precision(root, prefix, Precision.LOW) is Precision.FP32
     given = torch.float32 if pinned else low
     rows: list[PlanRow] = [
-        PlanRow.make(prefix, "inputs", given, [Cast("floating inputs", given)], kind=RowKind.INPUTS)
+        PlanRow.make(
+            prefix, "inputs", given, [Cast("floating tensor arguments", given)], kind=RowKind.INPUTS
+        )
     ]
     seen_modules: set[int] = set()
     seen_tensors: set[int] = set()
@@ -117,7 +114,9 @@ def convert_module_level(
         seen_modules.add(id(module))
         precision = recipe.module_precision(module, path, parent)
         dtype = low if precision is Precision.LOW else torch.float32
+        cast_in: torch.dtype | None = None  # what the module casts its floating inputs to
         if precision is not parent and module is not root:
+            # an island: hooks cast, so the module's own hooks see what it computes with
             outer = low if parent is Precision.LOW else torch.float32
             module.register_forward_pre_hook(
                 functools.partial(_cast_inputs_hook, dtype), with_kwargs=True
@@ -147,11 +146,11 @@ def convert_module_level(
                 names = frozenset(name for name, _ in owned)
                 set_parameters(module, LowParameters(module._parameters, names, state))
             if owned and module is not root and precision is parent:
-                hook = functools.partial(_cast_inputs_hook, low)
-                module.register_forward_pre_hook(hook, with_kwargs=True)
+                cast_in = low
         if module is not root:
             island = precision is Precision.FP32
-            set_forward(module, ModuleCall(module, state, float32=island))
+            call = ModuleCall(module, state, float32=island, dtype=cast_in)
+            set_forward(module, call)
         if cast_here:
             rows.append(
                 PlanRow.make(

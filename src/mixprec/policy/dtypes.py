@@ -125,9 +125,17 @@ def device_of(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+#: The dtypes mixprec may cast: every floating dtype but float64.
+_CASTABLE = frozenset(
+    value
+    for value in vars(torch).values()
+    if isinstance(value, torch.dtype) and value.is_floating_point and value != torch.float64
+)
+
+
 def is_castable(x: object) -> bool:
     """True for tensors mixprec may cast: floating point, but never float64."""
-    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+    return isinstance(x, torch.Tensor) and x.dtype in _CASTABLE
 
 
 def dtype_name(dtype: torch.dtype | None) -> str:

@@ -1,0 +1,219 @@
+"""The O2/O3 hot path: what a submodule call costs and where the mixed-operand rule runs.
+
+A converted model's submodules run their own ``forward`` with no torch-function mode and
+no hooks of mixprec's (but float32 islands'); the mixed-operand rule runs in the code of
+the entry module, of loss modules and of modules that hold floating buffers. The root
+casts its floating tensor arguments, never tensors inside containers (targets).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as amp
+from mixprec.convert.cast_at_use import MixedOperands
+
+LEVELS = ["O2", "O3"]
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+class _Counting:
+    """Counts the calls :class:`MixedOperands` sees, by patching its method."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.funcs: list[str] = []
+        original = MixedOperands.__torch_function__
+
+        def counted(mode: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.funcs.append(getattr(func, "__name__", str(func)))
+            return original(mode, func, types, args, kwargs)
+
+        monkeypatch.setattr(MixedOperands, "__torch_function__", counted)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.relu(h.view(-1, 4).transpose(0, 1).transpose(0, 1)) + h
+
+
+class _Deep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[_Block() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x).sum(-1)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_submodules_run_their_ops_without_a_mode(
+    level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counting = _Counting(monkeypatch)
+    model = _Deep()
+    converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+    x = torch.randn(2, 4)
+    out = converted(x)
+    # the root's own code: one op (sum); the blocks' 15 ops run as PyTorch runs them
+    assert counting.funcs == ["sum"]
+    torch.testing.assert_close(out, model(x), rtol=0.05, atol=0.05)
+    counting.funcs.clear()
+    converted.blocks[0](x)  # a submodule called directly: its own code is the entry's
+    assert counting.funcs.count("relu") == 1
+    assert "linear" not in counting.funcs  # its child runs without the mode
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_no_mixprec_hooks_on_low_layers(level: str) -> None:
+    converted = amp.auto_mixed_precision(_Deep(), level, torch.bfloat16)
+    fc = converted.blocks[0].fc
+    assert not fc._forward_pre_hooks
+    assert not fc._forward_hooks
+
+
+class _Buffered(nn.Module):
+    """A submodule that mixes its float32 buffer into a matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("proj", torch.randn(4, 4))
+        self.register_buffer("shift", torch.randn(4))
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        product = h @ self.proj
+        self.seen += [product.dtype, (h + self.shift).dtype]
+        return product
+
+
+class _WithLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(_Buffered())
+        self.head = nn.Linear(4, 3)
+        self.criterion = nn.CrossEntropyLoss()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(self.inner(x))
+        return logits, self.criterion(logits, y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("level", LEVELS)
+def test_buffered_and_loss_submodules_follow_the_mixed_operand_rule(
+    level: str, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(0)
+    model = _WithLoss()
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    control_logits, control_loss = model(x, y)
+    converted = amp.auto_mixed_precision(model, level, dtype)
+    buffered = converted.inner[0]
+    losses: list[torch.dtype] = []
+    converted.criterion.register_forward_hook(lambda m, a, out: losses.append(out.dtype))
+    buffered.seen.clear()  # (the copy shares the original's list: it ran the control)
+    logits, loss = converted(x, y)
+    assert buffered.seen == [dtype, torch.float32]  # autocast's rule, then type promotion
+    assert losses == [torch.float32]  # the loss module computes in float32
+    assert logits.dtype == loss.dtype == torch.float32
+    assert buffered.proj.dtype == torch.float32
+    torch.testing.assert_close(loss, control_loss, rtol=0.05, atol=0.02)
+    torch.testing.assert_close(logits, control_logits, rtol=0.05, atol=0.05)
+
+
+class _MakesFloat32(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ torch.ones(4, 4)  # a float32 tensor made here, into a matmul
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_float32_tensor_made_in_a_plain_submodule_gets_a_clear_error(level: str) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), _MakesFloat32())
+    converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+    with pytest.raises(RuntimeError) as raised:
+        converted(torch.randn(2, 4))
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "mixprec" in notes
+    assert ".to(x.dtype)" in notes
+    assert "fp32_modules" in notes
+    assert converted[0]._parameters["weight"].dtype == torch.float32  # nothing changed
+    # pinned to float32, the module computes (and the model runs)
+    pinned = amp.auto_mixed_precision(model, level, torch.bfloat16, fp32_modules=["1"])
+    torch.testing.assert_close(
+        pinned(torch.ones(2, 4)), model(torch.ones(2, 4)), rtol=0.02, atol=0.1
+    )
+
+
+class _Detector(nn.Module):
+    """A detection-style model: images and targets in lists, as torchvision's take them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Conv2d(3, 4, 3, padding=1)
+        self.anchors_seen: list[torch.dtype] = []
+        self.box_values: list[torch.Tensor] = []
+
+    def forward(
+        self, images: list[torch.Tensor], targets: list[dict[str, torch.Tensor]], scale: Any
+    ) -> torch.Tensor:
+        features = self.backbone(torch.stack(images))
+        boxes = targets[0]["boxes"]
+        self.anchors_seen += [boxes.dtype, scale.dtype]
+        self.box_values.append(boxes)
+        return features.mean() + (boxes * 0).sum()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_root_casts_its_tensor_arguments_not_the_targets_in_containers(level: str) -> None:
+    model = _Detector()
+    converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+    boxes = torch.tensor([[1.0, 2.0, 30.123456, 40.654321]])
+    scale = torch.tensor(0.5)
+    out = converted([torch.randn(3, 5, 5)], [{"boxes": boxes}], scale)
+    assert model.anchors_seen == [torch.float32, torch.bfloat16]  # boxes as given; scale cast
+    assert model.box_values[0] is boxes  # the very tensor, not a copy
+    assert out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_hook_on_a_low_layer_sees_its_callers_arguments(level: str) -> None:
+    seen: list[tuple[torch.dtype, torch.dtype, torch.dtype]] = []
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        seen.append((args[0].dtype, module.weight.dtype, out.dtype))
+
+    converted[1].register_forward_hook(hook)
+    converted(torch.randn(2, 4))
+    converted[1](torch.randn(2, 4))  # called directly with a float32 tensor
+    bf16, fp32 = torch.bfloat16, torch.float32
+    # inside the model: what its caller passed (low); called directly: the float32 input as
+    # given (as under torch.autocast), while the layer computes low
+    assert seen == [(bf16, bf16, bf16), (fp32, fp32, bf16)]
+
+
+def test_recurrent_and_island_modules_take_the_full_path() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.LSTM(4, 4, batch_first=True))
+    converted = amp.auto_mixed_precision(model, "O2", torch.bfloat16)
+    seen: list[torch.dtype] = []
+    converted[1].register_forward_hook(lambda m, args, out: seen.append(args[0].dtype))
+    x = torch.randn(2, 3, 4)
+    out, (h, c) = converted(x)
+    ref, _ = model(x)
+    assert seen == [torch.float32]  # the float32 island's hooks see its float32 input
+    assert out.dtype == h.dtype == c.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=0.05, atol=0.05)
+    assert all(p.dtype == torch.float32 for p in model[2].parameters())  # not written
