@@ -319,6 +319,11 @@ def cast_args(
     return cast
 
 
+def _outer_autocast() -> bool:
+    """Whether a ``torch.autocast`` is on around the call (a float32 island turns it off)."""
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+
 def _floating(buffers: dict[str, Any]) -> bool:
     """Whether a module holds a floating buffer (a float32 operand its code may mix)."""
     if not buffers:
@@ -392,7 +397,10 @@ class ModuleCall:
         #: a loss module: its own code runs under the mixed-operand rule (a loss in float32)
         self.loss = isinstance(module, nn.modules.loss._Loss)
         #: a call that needs more than the fast path when it runs inside a running call
-        self.special = float32 or isinstance(module, nn.RNNBase)
+        self.special = isinstance(module, nn.RNNBase)
+        #: whether its floating buffers may meet low activations in its own code (a
+        #: float32 island computes in float32; a norm's kernel takes float32 statistics)
+        self.buffers_mix = not float32 and not isinstance(module, lists.FP32_STATE_MODULES)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -419,12 +427,17 @@ class ModuleCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.root and not torch.compiler.is_compiling():
             frame = getattr(self.local, "frame", None)
-            if frame is not None and frame.depth and not self.special:
+            if (
+                frame is not None
+                and frame.depth
+                and not self.special
+                and not (self.float32 and _outer_autocast())
+            ):
                 # a submodule called by its parent: the hot path
                 dtype = self.dtype
                 if dtype is not None:
                     args, kwargs = cast_args(args, kwargs, dtype)
-                if self.loss or _floating(self.module._buffers):
+                if self.loss or (self.buffers_mix and _floating(self.module._buffers)):
                     if not frame.active:
                         return self._moded(frame, True, args, kwargs)
                 elif frame.active:

@@ -165,11 +165,11 @@ class RuntimeListMode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        precision = self.table.get(func, self.default)
+        if precision is Precision.FOLLOW or self.suspended:
+            return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
             kwargs = {}
-        precision = self.table.get(func, self.default)
-        if self.suspended or precision is Precision.FOLLOW:
-            return func(*args, **kwargs)
         if not only_plain_tensors(args, kwargs):  # torchao's float8 tensors, DTensor
             return func(*args, **kwargs)  # keep their own rules
         if precision is Precision.LOW:
@@ -267,6 +267,28 @@ class RuntimeForward(ForwardBase):
         if any_nested(args, kwargs):  # only a built-in fast path makes these: run as written
             with standing_aside():
                 return type(self.module).forward(self.module, *args, **kwargs)
-        with standing_aside(), RuntimeListMode(self.table, self.default, self.dtype, self.back):
-            out = type(self.module).forward(self.module, *args, **kwargs)
+        running = _only_list_mode()
+        if running is not None:  # the common case: lend it this module's decisions
+            saved = running.table, running.default, running.back
+            running.table, running.default, running.back = self.table, self.default, self.back
+            try:
+                out = type(self.module).forward(self.module, *args, **kwargs)
+            finally:
+                running.table, running.default, running.back = saved
+        else:
+            mode = RuntimeListMode(self.table, self.default, self.dtype, self.back)
+            with standing_aside(), mode:
+                out = type(self.module).forward(self.module, *args, **kwargs)
         return out if self.output_dtype is None else cast_tree(out, self.output_dtype)
+
+
+def _only_list_mode() -> RuntimeListMode | None:
+    """The thread's one torch-function mode when it is an active :class:`RuntimeListMode`
+    (a module's decisions can then be lent to it for the module's call: the same as
+    standing it aside and entering a mode of the module's own, without a mode per call)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_function_stack() != 1:
+        return None
+    mode = torch._C._get_function_stack_at(0)
+    if isinstance(mode, RuntimeListMode) and not mode.suspended:
+        return mode
+    return None
