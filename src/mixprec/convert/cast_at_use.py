@@ -61,6 +61,7 @@ __all__ = [
     "MixedOperands",
     "ModuleCall",
     "cast_args",
+    "has_fast_path",
     "low_precision_parameters",
     "settled",
 ]
@@ -185,21 +186,22 @@ class CastState:
 
 
 class LowParameters(dict[str, Any]):
-    """A module's ``_parameters`` whose ``names`` compute in low precision.
+    """A module's ``_parameters`` that compute in low precision, but those ``kept``.
 
     Holds the stored Parameters unchanged. Reading one by name (what ``module.weight``
     does) or iterating ``items()`` (what ``module.parameters()`` does) inside a running
     call of the conversion gives its low-precision cast; anywhere else, the Parameter.
+    A Parameter registered after conversion computes low too, as its module does.
     """
 
-    def __init__(self, table: dict[str, Any], names: frozenset[str], state: CastState) -> None:
+    def __init__(self, table: dict[str, Any], kept: frozenset[str], state: CastState) -> None:
         super().__init__(table)
-        self.names = names
+        self.kept = kept  # names that stay as stored (an old weight hook's originals)
         self.state = state
 
     def __getitem__(self, name: str) -> Any:
         value = dict.__getitem__(self, name)
-        if value is None or name not in self.names:
+        if value is None or name in self.kept:
             return value
         if torch.compiler.is_compiling():
             if torch.compiler.is_exporting():
@@ -226,9 +228,9 @@ class LowParameters(dict[str, Any]):
 
     def stored(self) -> Iterator[tuple[str, Any]]:
         """``(name, stored tensor)`` for the low-precision names (never cast)."""
-        for name in self.names:
-            if name in self:
-                yield name, dict.__getitem__(self, name)
+        for name, value in dict.items(self):
+            if name not in self.kept and value is not None and is_castable(value):
+                yield name, value
 
 
 _FOLLOW, _LOWER, _LOSS = 0, 1, 2
@@ -319,6 +321,23 @@ def cast_args(
     return cast
 
 
+#: PyTorch's modules whose ``forward`` takes a fused fast path (``nn.TransformerEncoder``'s
+#: nested tensors, zeros at padded positions) only when no torch-function mode is active
+_FAST_PATH_MODULES: tuple[type[nn.Module], ...] = (
+    nn.TransformerEncoder,
+    nn.TransformerEncoderLayer,
+    nn.MultiheadAttention,
+)
+
+
+def has_fast_path(module: nn.Module) -> bool:
+    """``module`` runs PyTorch's own ``forward`` of a class with a fused fast path (whose
+    kernels take its children's weights: it casts its floating inputs as a layer does)."""
+    return "forward" not in module.__dict__ and any(
+        type(module).forward is cls.forward for cls in _FAST_PATH_MODULES
+    )
+
+
 def _outer_autocast() -> bool:
     """Whether a ``torch.autocast`` is on around the call (a float32 island turns it off)."""
     return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
@@ -353,10 +372,15 @@ def _explain_mixed(error: RuntimeError, dtype: torch.dtype) -> None:
         error.add_note(note)
 
 
-def _cast_top(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` cast to ``dtype`` when it is a floating tensor; anything else as it is."""
+def _cast_top(value: Any, dtype: torch.dtype, casts: dict[int, torch.Tensor]) -> Any:
+    """``value`` cast to ``dtype`` when it is a floating tensor (once: ``casts`` holds the
+    casts made so far, so ``model(x, x, x)`` passes one tensor three times); anything else
+    as it is."""
     if isinstance(value, torch.Tensor) and value.dtype != dtype and is_castable(value):
-        return value.to(dtype)
+        cast = casts.get(id(value))
+        if cast is None:
+            cast = casts[id(value)] = value.to(dtype)
+        return cast
     return value
 
 
@@ -398,6 +422,9 @@ class ModuleCall:
         self.loss = isinstance(module, nn.modules.loss._Loss)
         #: a call that needs more than the fast path when it runs inside a running call
         self.special = isinstance(module, nn.RNNBase)
+        #: PyTorch's own forward of a class with a fused fast path, which any active
+        #: torch-function mode turns off: it runs with the conversion's mode set aside
+        self.fast_path = has_fast_path(module)
         #: whether its floating buffers may meet low activations in its own code (a
         #: float32 island computes in float32; a norm's kernel takes float32 statistics)
         self.buffers_mix = not float32 and not isinstance(module, lists.FP32_STATE_MODULES)
@@ -455,13 +482,13 @@ class ModuleCall:
         if not on:
             depth = torch._C._len_torch_function_stack()
             if not depth or torch._C._get_function_stack_at(depth - 1) is not mode:
-                return self._own(args, kwargs)  # another mode above it: leave the stack be
+                return self._plain(args, kwargs)  # another mode above it: leave the stack be
             torch._C._pop_torch_function_stack()
         else:
             torch._C._push_on_torch_function_stack(mode)
         frame.active = on
         try:
-            return self._own(args, kwargs)
+            return self._plain(args, kwargs)
         finally:
             if on:
                 torch._C._pop_torch_function_stack()
@@ -474,9 +501,9 @@ class ModuleCall:
         or one that needs more than the hot path (a float32 island, a recurrent layer)."""
         given: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         if self.root:
-            dtype = self.input_dtype
-            cast_pos = tuple(_cast_top(value, dtype) for value in args)
-            cast_kwargs = {name: _cast_top(value, dtype) for name, value in kwargs.items()}
+            dtype, casts = self.input_dtype, dict[int, torch.Tensor]()
+            cast_pos = tuple(_cast_top(value, dtype, casts) for value in args)
+            cast_kwargs = {name: _cast_top(v, dtype, casts) for name, v in kwargs.items()}
             if not _tracing():
                 given = [
                     (leaf, cast, _version(cast))
@@ -531,6 +558,13 @@ class ModuleCall:
         return self._own(args, kwargs)
 
     def _own(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.fast_path:
+            frame = getattr(self.local, "frame", None)
+            if frame is not None and frame.active:
+                return self._moded(frame, False, args, kwargs)
+        return self._plain(args, kwargs)
+
+    def _plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.inner is not None:
             return self.inner(*args, **kwargs)
         module = self.module

@@ -39,7 +39,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.convert.cast_at_use import CastState, LowParameters, ModuleCall, settled
+from mixprec.convert import weight_hooks
+from mixprec.convert.cast_at_use import (
+    CastState,
+    LowParameters,
+    ModuleCall,
+    has_fast_path,
+    settled,
+)
 from mixprec.convert.plan import Cast, CastPlan, Conversion, PlanRow, RowKind, dtype_name
 from mixprec.convert.structure import (
     CONVERSION_ATTR,
@@ -135,17 +142,22 @@ def convert_module_level(
             )
         cast_here: list[Cast] = []
         if precision is Precision.LOW and not isinstance(module, lists.FP32_STATE_MODULES):
+            kept = weight_hooks.prepare(module, low)  # an old weight hook's originals
             owned = [
-                (n, t) for n, t in module._parameters.items() if t is not None and is_castable(t)
+                (n, t)
+                for n, t in module._parameters.items()
+                if t is not None and is_castable(t) and n not in kept
             ]
             for name, tensor in owned:
                 if tensor.dtype != low and id(tensor) not in seen_tensors:
                     cast_here.append(Cast(qualified_name(path, name), low))
                 seen_tensors.add(id(tensor))
-            if owned:
-                names = frozenset(name for name, _ in owned)
-                set_parameters(module, LowParameters(module._parameters, names, state))
-            if owned and module is not root and precision is parent:
+            computed = weight_hooks.computed_weights(module)
+            cast_here += [Cast(qualified_name(path, name), low) for name in computed]
+            if owned or kept:
+                set_parameters(module, LowParameters(module._parameters, kept, state))
+            fused = has_fast_path(module)  # its fused kernels take its children's weights
+            if (owned or kept or fused) and module is not root and precision is parent:
                 cast_in = low
         if module is not root:
             island = precision is Precision.FP32

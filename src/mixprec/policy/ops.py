@@ -52,15 +52,26 @@ _FLAT = frozenset(
 
 def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
     """:func:`cast` every floating tensor in a nested structure (tuples, lists, dicts,
-    named tuples, dataclasses, and any type registered with ``torch.utils._pytree``)."""
+    named tuples, dataclasses, and any type registered with ``torch.utils._pytree``); a
+    tensor that appears twice is cast once, so ``query is key is value`` stays true."""
     if isinstance(tree, torch.Tensor):  # the common cases, without a tree walk
         return tree.to(dtype) if tree.dtype != dtype and is_castable(tree) else tree
+    casts: dict[int, torch.Tensor] = {}  # a tensor given twice is cast once (aliases stay)
+
+    def tensor(leaf: torch.Tensor) -> torch.Tensor:
+        if leaf.dtype == dtype or not is_castable(leaf):
+            return leaf
+        cast = casts.get(id(leaf))
+        if cast is None:
+            cast = casts[id(leaf)] = leaf.to(dtype)
+        return cast
+
     if type(tree) is tuple and all(type(v) in _FLAT for v in tree):
-        return tuple(cast_tree(v, dtype) if isinstance(v, torch.Tensor) else v for v in tree)
+        return tuple(tensor(v) if isinstance(v, torch.Tensor) else v for v in tree)
 
     def one(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
-            return leaf.to(dtype) if leaf.dtype != dtype and is_castable(leaf) else leaf
+            return tensor(leaf)
         if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             # a dataclass pytree does not know: rebuild it with its fields cast
             fields = {
