@@ -52,7 +52,10 @@ _DATA: Any = vars(torch._C.TensorBase)["data"]
 class LowParameter(nn.Parameter):
     """A master's low-precision copy in the converted model. ``.data`` is ``detach()``, which
     shares this Parameter's version counter, so a write through it is seen (the plain
-    ``.data`` has a counter of its own); ``isinstance(p, nn.Parameter)`` holds."""
+    ``.data`` has a counter of its own); ``isinstance(p, nn.Parameter)`` holds. ``master`` is
+    the float32 Parameter it copies."""
+
+    master: torch.Tensor | None
 
     @property
     def data(self) -> torch.Tensor:
@@ -60,7 +63,12 @@ class LowParameter(nn.Parameter):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        _DATA.__set__(self, value)
+        """A value of another dtype (``vector_to_parameters`` of a float32 vector) goes to
+        the master as it is and to this copy cast: the copy keeps its dtype."""
+        master = getattr(self, "master", None)
+        if master is not None and value.dtype != self.dtype:
+            _DATA.__set__(master, value.to(master.dtype))
+        _DATA.__set__(self, value.to(self.dtype))
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         rebuild, args = super().__reduce_ex__(protocol)[:2]
@@ -127,6 +135,8 @@ class MasterWeights:
             low = lows.get(id(master))
             if low is None:
                 low = kind(master.detach().to(dtype), requires_grad=master.requires_grad)
+                if isinstance(low, LowParameter):
+                    low.master = master
                 lows[id(master)] = low
                 pairs.append((master, low))
             setattr(owner, name, low)
