@@ -202,6 +202,8 @@ def test_a_low_copys_data_shares_its_version_counter_and_survives_copies(
     ):
         weight = network[0].weight
         assert isinstance(weight, nn.Parameter)
+        assert weight.master.shape == weight.shape
+        assert weight.master.dtype == torch.float32
         before = weight._version
         weight.data.mul_(2)
         assert weight._version == before + 1

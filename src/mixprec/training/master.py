@@ -34,6 +34,7 @@ nothing is lost to the low dtype; ``step.network.state_dict()`` holds the float3
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -69,6 +70,13 @@ class LowParameter(nn.Parameter):
         if master is not None and value.dtype != self.dtype:
             _DATA.__set__(master, value.to(master.dtype))
         _DATA.__set__(self, value.to(self.dtype))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LowParameter:
+        if id(self) in memo:
+            return memo[id(self)]
+        result: LowParameter = super().__deepcopy__(memo)
+        result.master = copy.deepcopy(getattr(self, "master", None), memo)
+        return result
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         rebuild, args = super().__reduce_ex__(protocol)[:2]
