@@ -213,15 +213,27 @@ def test_a_low_copys_data_shares_its_version_counter_and_survives_copies(
 def test_a_write_is_computed_with_when_compiled_and_in_inference_mode(
     level: str, dtype: str
 ) -> None:
+    """Compiled, the check runs eagerly before the graph: a write is computed with, and
+    neither it nor a step recompiles (one graph, no break)."""
     step, model = _build(level, dtype)
     x, y = _batch()
-    compiled = torch.compile(step.network, backend="eager")
+    graphs: list[object] = []
+
+    def backend(gm: torch.fx.GraphModule, example: object) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step.network, backend=backend)
     compiled(x)
     low = getattr(torch, dtype)
     for p in model.parameters():
         p.data.mul_(0.5)
     want, _ = _low_reference([p.detach() for p in model.parameters()], x, y, low)
     torch.testing.assert_close(compiled(x), want, rtol=0, atol=0)
+    step(x, y)
+    compiled(x)
+    assert len(graphs) == 1
     for p in model.parameters():
         p.data.clamp_(-0.05, 0.05)
     want, _ = _low_reference([p.detach() for p in model.parameters()], x, y, low)

@@ -157,6 +157,7 @@ class MasterWeights:
             state.on_direct_call = masters.sync  # a submodule called directly, too
         return masters
 
+    @torch.compiler.disable  # eager under torch.compile: it reads version counters
     def _sync_hook(self, module: nn.Module, args: Any) -> None:
         self.sync()
 
