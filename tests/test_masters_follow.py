@@ -4,6 +4,9 @@ either copy, and ``step.network.state_dict()`` holds the float32 masters."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -122,7 +125,8 @@ def test_a_submodule_called_directly_computes_with_the_written_weights(
 # ------------------------------------------------------------ writes that move no version counter
 
 WRITES = {
-    # on the user's Parameters (the float32 masters); .data has a version counter of its own
+    # each on the user's Parameters (the masters) or on step.network's (the low copies);
+    # .data has a version counter of its own, vector_to_parameters assigns .data
     "p.data.mul_": lambda params: [p.data.mul_(0.5) for p in params],
     "p.data.copy_": lambda params: [
         p.data.copy_(torch.linspace(-0.3, 0.3, p.numel()).view_as(p)) for p in params
@@ -190,9 +194,6 @@ def test_a_low_copys_data_shares_its_version_counter_and_survives_copies(
     """The low copies are Parameters whose ``.data`` moves their version counter (deepcopy and
     pickle keep that); the user's masters stay plain ``nn.Parameter`` objects (torch's
     optimizers pick their foreach kernels by that exact type)."""
-    import copy
-    import pickle
-
     step, model = _build(level, dtype)
     assert all(type(p) is nn.Parameter for p in model.parameters())
     for network in (
