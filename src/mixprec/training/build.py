@@ -382,9 +382,10 @@ def build_train_network(
     converted = inner if fsdp is not None else convert(fp8_inner, recipe, emulate=emulate)
     masters = None
     if config.cast_model_type != torch.float32:
-        masters = MasterWeights.install(converted)
+        masters = MasterWeights.install(converted, masters_are_stepped=config.master_weights)
         if not config.master_weights:
             _repoint(optimizer, masters)
+            optimizer.register_step_post_hook(masters.lows_stepped)
             masters = None
     if isinstance(manager, LossScaleManager):
         pairs = [] if masters is None else list(zip(masters.masters, masters.lows, strict=True))

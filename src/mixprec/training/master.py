@@ -16,18 +16,25 @@ Hooks on the user's Parameters run as on the original model, once per backward: 
 ``register_post_accumulate_grad_hook`` hook once the master's ``.grad`` holds it (both after
 the backward, when the gradients reach the masters).
 
-One source of truth: before every forward of the converted model (through the step,
-called directly, or a submodule of it called directly), :meth:`MasterWeights.sync` looks at the version
-counters and ``requires_grad`` of both copies (freezing or unfreezing either copy after the
-build freezes or unfreezes both). A write to a master (``model.load_state_dict``, an in-place edit, a
-weight fixed after it went inf) is copied to the low copy; a write to a low copy alone
-(``step.network.load_state_dict`` with low-precision values) is copied up to the master.
-Loading higher-precision values into ``step.network`` writes them to the masters directly, so
+One source of truth, the masters: before every forward of the converted model (through
+the step, called directly, or a submodule of it called directly), :meth:`MasterWeights.sync`
+copies every master into its low copy (one ``_foreach_copy_`` per dtype), so any write to a
+master is seen, also one that bumps no version counter (``p.data.mul_()``, ``p.data.clamp_()``
+as in WGAN weight clipping, a fused optimizer's kernel). The low copies are
+:class:`LowParameter` objects, whose ``.data`` shares their version counter: a write to a low
+copy (``step.network[0].weight.data.mul_()``, in place, ``load_state_dict`` with
+low-precision values) bumps it and is copied up to the master instead (when both copies were
+written, the master's write wins unless it bumped no counter). The copy down goes through an
+alias with a counter of its own, so a forward of a second micro-batch does not invalidate the
+graph of the first (a pipeline schedule). ``requires_grad`` is compared on both copies too
+(freezing or unfreezing either copy after the build freezes or unfreezes both). Loading
+higher-precision values into ``step.network`` writes them to the masters directly, so
 nothing is lost to the low dtype; ``step.network.state_dict()`` holds the float32 masters.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -37,7 +44,56 @@ from torch import nn
 
 from mixprec.convert.cast_at_use import CastState, low_precision_parameters
 
-__all__ = ["MasterWeights"]
+__all__ = ["LowParameter", "MasterWeights"]
+
+#: the C ``.data`` getter and setter (a read gives a fresh version counter)
+_DATA: Any = vars(torch._C.TensorBase)["data"]
+
+
+class LowParameter(nn.Parameter):
+    """A master's low-precision copy in the converted model. ``.data`` is ``detach()``, which
+    shares this Parameter's version counter, so a write through it is seen (the plain
+    ``.data`` has a counter of its own); ``isinstance(p, nn.Parameter)`` holds. ``master`` is
+    the float32 Parameter it copies."""
+
+    master: torch.Tensor | None
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """A value of another dtype (``vector_to_parameters`` of a float32 vector) goes to
+        the master as it is and to this copy cast: the copy keeps its dtype."""
+        master = getattr(self, "master", None)
+        if master is not None and value.dtype != self.dtype:
+            _DATA.__set__(master, value.to(master.dtype))
+        _DATA.__set__(self, value.to(self.dtype))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LowParameter:
+        if id(self) in memo:
+            return memo[id(self)]
+        result: LowParameter = super().__deepcopy__(memo)
+        result.master = copy.deepcopy(getattr(self, "master", None), memo)
+        return result
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        rebuild, args = super().__reduce_ex__(protocol)[:2]
+        return (_rebuild_low, (rebuild, args))
+
+
+def _rebuild_low(rebuild: Any, args: tuple[Any, ...]) -> LowParameter:
+    """Unpickle a :class:`LowParameter` (``nn.Parameter``'s rebuild, then the class)."""
+    param = rebuild(*args)
+    param.__class__ = LowParameter
+    return param
+
+
+def _alias(low: torch.Tensor) -> torch.Tensor:
+    """``low``'s storage under a version counter of its own: the copy down writes through it."""
+    alias: torch.Tensor = _DATA.__get__(low)
+    return alias
 
 
 def _key(t: torch.Tensor) -> tuple[int, int]:
@@ -45,39 +101,54 @@ def _key(t: torch.Tensor) -> tuple[int, int]:
 
 
 class MasterWeights:
-    """Pairs of (float32 master, low-precision model Parameter)."""
+    """Pairs of (float32 master, low-precision model Parameter).
 
-    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+    With ``masters_are_stepped`` (master weights, the default) the masters are the truth
+    and every forward copies them down; without (``master_weights=False``: the optimizer
+    steps the low copies) only writes that bump a version counter are reconciled, and the
+    low copies are copied up to the user's Parameters after every optimizer step."""
+
+    def __init__(
+        self, pairs: list[tuple[nn.Parameter, nn.Parameter]], *, masters_are_stepped: bool = True
+    ) -> None:
         self.masters: list[torch.Tensor] = [master for master, _ in pairs]
         self.lows: list[torch.Tensor] = [low for _, low in pairs]
+        self.masters_are_stepped = masters_are_stepped
         # float32 gradient buffers, allocated once: a fresh allocation every step costs
         # more than the copy (page faults)
         self._buffers: list[torch.Tensor] = []
         self._accumulating = False
         self._has_grad: list[bool] = []
         self._seen: list[tuple[tuple[int, int], tuple[int, int]]] = []
+        self._aliases: list[torch.Tensor] = []
         #: requires_grad as last agreed by both copies (a change to either one wins)
         self._trained = [master.requires_grad for master in self.masters]
         self._record()
 
     @classmethod
-    def install(cls, converted: nn.Module) -> MasterWeights:
+    def install(cls, converted: nn.Module, *, masters_are_stepped: bool = True) -> MasterWeights:
         """Give every Parameter ``converted`` casts at use a low-precision Parameter of
-        its own; the float32 ones become the masters. Refuses anything but float32."""
+        its own; the float32 ones become the masters. Refuses anything but float32.
+
+        Without ``masters_are_stepped`` the optimizer steps the low copies: they are plain
+        ``nn.Parameter`` objects then (torch's optimizers pick foreach kernels only for those)."""
         records = low_precision_parameters(converted)
         slots = [(record.owner, record.name) for record in records]
         lows: dict[int, nn.Parameter] = {}
         pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        kind = LowParameter if masters_are_stepped else nn.Parameter
         for owner, name, master, dtype in records:
             if not isinstance(master, nn.Parameter) or master.dtype == dtype:
                 continue
             low = lows.get(id(master))
             if low is None:
-                low = nn.Parameter(master.detach().to(dtype), requires_grad=master.requires_grad)
+                low = kind(master.detach().to(dtype), requires_grad=master.requires_grad)
+                if isinstance(low, LowParameter):
+                    low.master = master
                 lows[id(master)] = low
                 pairs.append((master, low))
             setattr(owner, name, low)
-        masters = cls(pairs)
+        masters = cls(pairs, masters_are_stepped=masters_are_stepped)
         masters._hook_loading(slots, {id(low): master for master, low in pairs})
         converted.register_forward_pre_hook(masters._sync_hook)  # every entry sees the truth
         call = converted.__dict__.get("forward")
@@ -86,6 +157,7 @@ class MasterWeights:
             state.on_direct_call = masters.sync  # a submodule called directly, too
         return masters
 
+    @torch.compiler.disable  # eager under torch.compile: it reads version counters
     def _sync_hook(self, module: nn.Module, args: Any) -> None:
         self.sync()
 
@@ -103,15 +175,19 @@ class MasterWeights:
     # ---------------------------------------------------------------- one source of truth
     def _record(self) -> None:
         self._seen = [(_key(m), _key(low)) for m, low in zip(self.masters, self.lows, strict=True)]
+        self._aliases = [_alias(low) for low in self.lows]  # a low copy's storage may be new
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Reconcile outside writes before a forward: a written master wins, then a
-        written low copy (copied up to its master). Not while a backward recomputes a
-        checkpointed forward: that computes with the weights of the forward it replays."""
+        """Reconcile outside writes before a forward: a low copy written since the last
+        forward (its version counter moved, its master's did not) is copied up to its
+        master; every other master is copied down (with master weights; without, only
+        the ones whose counter moved). Not while a backward recomputes a checkpointed
+        forward: that computes with the weights of the forward it replays."""
         if torch._C._current_graph_task_id() != -1:
             return
         changed = False
+        down: list[int] = []
         for i, (master, low) in enumerate(zip(self.masters, self.lows, strict=True)):
             if master.requires_grad != low.requires_grad:  # frozen or unfrozen after build
                 if master.requires_grad != self._trained[i]:
@@ -121,13 +197,17 @@ class MasterWeights:
                 self._trained[i] = master.requires_grad
             seen_master, seen_low = self._seen[i]
             if _key(master) != seen_master:
-                low.copy_(master)
+                down.append(i)
                 changed = True
             elif _key(low) != seen_low:
                 master.copy_(low)
                 changed = True
+            elif self.masters_are_stepped:  # a write that moved no counter: copy anyway
+                down.append(i)
         if changed:
             self._record()
+        if down:
+            torch._foreach_copy_([self._aliases[i] for i in down], [self.masters[i] for i in down])
 
     # ---------------------------------------------------------------- gradients
     @torch.no_grad()
@@ -178,8 +258,17 @@ class MasterWeights:
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the (stepped) masters into the low-precision Parameters."""
+        self._record()
         if self.lows:
-            torch._foreach_copy_(self.lows, self.masters)
+            torch._foreach_copy_(self._aliases, self.masters)
+
+    @torch.no_grad()
+    def lows_stepped(self, *args: Any) -> None:
+        """Without master weights: after an optimizer step of the low copies, copy them up
+        to the user's Parameters (a fused kernel moves no version counter to see)."""
+        del args  # an optimizer step post hook's (optimizer, args, kwargs)
+        if self.lows:
+            torch._foreach_copy_(self.masters, self.lows)
         self._record()
 
     # ---------------------------------------------------------------- checkpoints
