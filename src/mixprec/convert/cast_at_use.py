@@ -377,6 +377,8 @@ def _cast_top(value: Any, dtype: torch.dtype, casts: dict[int, torch.Tensor]) ->
     casts made so far, so ``model(x, x, x)`` passes one tensor three times); anything else
     as it is."""
     if isinstance(value, torch.Tensor) and value.dtype != dtype and is_castable(value):
+        if torch.compiler.is_compiling():  # (the compiler would guard on the id)
+            return value.to(dtype)
         cast = casts.get(id(value))
         if cast is None:
             cast = casts[id(value)] = value.to(dtype)
@@ -501,7 +503,8 @@ class ModuleCall:
         or one that needs more than the hot path (a float32 island, a recurrent layer)."""
         given: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         if self.root:
-            dtype, casts = self.input_dtype, dict[int, torch.Tensor]()
+            dtype = self.input_dtype
+            casts: dict[int, torch.Tensor] = {}
             cast_pos = tuple(_cast_top(value, dtype, casts) for value in args)
             cast_kwargs = {name: _cast_top(v, dtype, casts) for name, v in kwargs.items()}
             if not _tracing():

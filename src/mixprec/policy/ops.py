@@ -57,10 +57,13 @@ def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
     if isinstance(tree, torch.Tensor):  # the common cases, without a tree walk
         return tree.to(dtype) if tree.dtype != dtype and is_castable(tree) else tree
     casts: dict[int, torch.Tensor] = {}  # a tensor given twice is cast once (aliases stay)
+    compiling = torch.compiler.is_compiling()  # (the compiler would guard on each id)
 
     def tensor(leaf: torch.Tensor) -> torch.Tensor:
         if leaf.dtype == dtype or not is_castable(leaf):
             return leaf
+        if compiling:
+            return leaf.to(dtype)
         cast = casts.get(id(leaf))
         if cast is None:
             cast = casts[id(leaf)] = leaf.to(dtype)
