@@ -6,7 +6,12 @@ Host time per forward (no grad, one thread), medians of interleaved rounds, as r
 that looks each call up in a table and casts the white-list calls (O1's work), with the
 number of torch-function calls per forward.
 
-Run: python benchmarks/bench_mode_floor.py [--models gpt2,bert] [--rounds 40]
+``--unit`` also prints the cost of each mechanism for one unit of work, in microseconds: an
+op under no mode, a call-through mode and ``torch.autocast``; a ``nn.Linear`` call plain,
+with an instance ``forward`` object that calls through (what O2/O3's ``ModuleCall`` costs a
+submodule), and with a forward pre-hook and hook (what casting by hooks costs).
+
+Run: python benchmarks/bench_mode_floor.py [--models gpt2,bert] [--rounds 40] [--unit]
 """
 
 from __future__ import annotations
@@ -87,12 +92,76 @@ def measure(name: str, rounds: int) -> None:
         print(f"  {key:22s} {statistics.median(values) / base:5.2f}x")
 
 
+class _Through:
+    """An instance ``forward`` that calls the class's, as a nested ``ModuleCall`` does."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def _median_us(work: Callable[[], Any], per: int, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        work()
+        times.append((time.perf_counter() - start) / per * 1e6)
+    return statistics.median(times)
+
+
+def measure_units(rounds: int) -> None:
+    """Microseconds per op under each mechanism, and per module call."""
+    x = torch.randn(4, 4, dtype=torch.bfloat16)
+
+    def ops() -> None:
+        for _ in range(300):
+            (x + x).view(16)
+
+    def under(context: Callable[[], Any]) -> Callable[[], None]:
+        def work() -> None:
+            with context():
+                ops()
+
+        return work
+
+    print("per op (an add and a view, 600 per round):")
+    for key, work in {
+        "no mode": ops,
+        "call-through mode": under(CallThrough),
+        "torch.autocast": under(lambda: torch.autocast("cpu", torch.bfloat16)),
+    }.items():
+        print(f"  {key:22s} {_median_us(work, 600, rounds):6.2f} us")
+    inputs = torch.randn(1, 4)
+    plain, through, hooked = (torch.nn.Linear(4, 4) for _ in range(3))
+    through.forward = _Through(through)  # type: ignore[method-assign]
+    hooked.register_forward_pre_hook(lambda module, args: None)
+    hooked.register_forward_hook(lambda module, args, out: None)
+    print("per nn.Linear(4, 4) call (1000 per round):")
+    with torch.no_grad():
+        for key, layer in {
+            "plain": plain,
+            "instance forward": through,
+            "pre-hook + hook": hooked,
+        }.items():
+
+            def calls(layer: torch.nn.Module = layer) -> None:
+                for _ in range(1000):
+                    layer(inputs)
+
+            print(f"  {key:22s} {_median_us(calls, 1000, rounds):6.2f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="gpt2,bert")
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--unit", action="store_true", help="per-op and per-module costs too")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.unit:
+        measure_units(args.rounds)
     for name in args.models.split(","):
         measure(name, args.rounds)
 
