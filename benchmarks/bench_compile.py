@@ -9,11 +9,17 @@ forward+backward, one thread, medians of interleaved rounds, printed as ratios t
 the number of guards of the captured graphs (TorchDynamo checks every guard before each
 call, in C++; on these tiny models that check is a large share of a compiled call).
 
+``--candidate`` adds a column "methods": the autocast level with each module's ``forward``
+a bound method of one function per (class, device, dtype) instead of an object per module
+(a design candidate, built here by rebinding the converted model's forwards; TorchDynamo
+guards a bound method by its function, so such models share graphs and carry fewer guards).
+
 ``--guard-cost`` also times every column's forward with guard evaluation skipped
 (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``; unsafe, a diagnostic only):
 the difference is what the guard check costs per call.
 
 Run: python benchmarks/bench_compile.py [--rounds 20] [--models bert,gpt2] [--guard-cost]
+[--candidate]
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import statistics
 import time
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +40,7 @@ from torch import nn
 
 import mixprec as amp
 from bench_overhead import LEVELS, _first_tensor, build
+from mixprec.convert.autocast import AutocastForward
 
 BASE = "autocast+compile"
 
@@ -44,8 +53,35 @@ def _explain(model: nn.Module, inputs: dict[str, torch.Tensor], autocast: bool) 
     return found.graph_break_count, len(found.out_guards or ())
 
 
+@functools.cache
+def _autocast_forward(cls: type[nn.Module], device: str, dtype: torch.dtype) -> Callable[..., Any]:
+    """The candidate's ``forward`` of every ``cls`` module: its class's forward inside the
+    region, entering it when called from outside (one function per decision)."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == dtype:
+            return cls.forward(self, *args, **kwargs)
+        with torch.autocast(device, dtype):
+            return cls.forward(self, *args, **kwargs)
+
+    return forward
+
+
+def bound_methods(converted: nn.Module) -> nn.Module:
+    """The candidate: ``converted`` (autocast level) with each plain :class:`AutocastForward`
+    replaced by a bound method of :func:`_autocast_forward` (pins and fast paths kept; the
+    root's warning under an outer autocast left out)."""
+    for module in converted.modules():
+        wrapper = module.__dict__.get("forward")
+        plain = isinstance(wrapper, AutocastForward) and not wrapper.as_written
+        if plain and not wrapper.may_get_nested:
+            function = _autocast_forward(type(module), wrapper.device_type, wrapper.dtype)
+            module.__dict__["forward"] = types.MethodType(function, module)
+    return converted
+
+
 def columns(
-    model: nn.Module, inputs: dict[str, torch.Tensor]
+    model: nn.Module, inputs: dict[str, torch.Tensor], candidate: bool
 ) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, tuple[int, int]]]:
     """One zero-argument compiled call per column, and (graph breaks, guards) of each."""
     compiled = torch.compile(model)
@@ -68,6 +104,11 @@ def columns(
         explained[level] = _explain(converted, inputs, False)
         compiled_level = torch.compile(converted)
         calls[level] = lambda c=compiled_level: _first_tensor(c(**inputs))
+    if candidate:
+        methods = bound_methods(amp.auto_mixed_precision(model, "autocast", torch.bfloat16))
+        explained["methods"] = _explain(methods, inputs, False)
+        compiled_methods = torch.compile(methods)
+        calls["methods"] = lambda: _first_tensor(compiled_methods(**inputs))
     return calls, explained
 
 
@@ -104,16 +145,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--models", default="bert,gpt2")
     parser.add_argument("--guard-cost", action="store_true", help="also time with guards skipped")
+    parser.add_argument("--candidate", action="store_true", help="add the bound-method column")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # bf16 is slow on an AVX2 CPU: the models are tiny
     torch.set_num_threads(1)  # host time, not thread contention
-    names = (BASE, "bf16 model", *LEVELS)
+    names = (BASE, "bf16 model", *LEVELS, *(("methods",) if args.candidate else ()))
     print("compiled (inductor) host time per call, ratio to torch.autocast around the compiled")
     print(f"original (median of {args.rounds} interleaved rounds)")
     print(f"{'model':6s} {'pass':8s} {BASE:>18s}" + "".join(f"{n:>11s}" for n in names[1:]))
     for model_name in args.models.split(","):
         model, inputs = build(model_name)
-        calls, explained = columns(model, inputs)
+        calls, explained = columns(model, inputs, args.candidate)
         for backward in (False, True):
             for skip in (False, True) if args.guard_cost and not backward else (False,):
                 med = time_rounds(calls, args.rounds, backward, skip)
