@@ -1,65 +1,174 @@
-"""Compiled host time: each level compiled vs torch.autocast around the compiled original.
+"""Compiled host time: every level compiled vs torch.autocast around the compiled original.
 
-Tiny transformers BERT (4 layers, width 16, 8 tokens, random weights; compute negligible):
-``torch.compile`` (inductor on CPU) of the converted model against
-``torch.autocast("cpu", bf16)`` around ``torch.compile`` of the original, graph breaks
-from ``torch._dynamo.explain``; medians of interleaved rounds, printed as ratios.
+Tiny transformers BERT and GPT-2 (4 layers, width 16, batch 1, 8 tokens, random weights,
+dropout off; compute negligible, so what is timed is host time): ``torch.compile``
+(inductor on CPU) of each converted model against ``torch.autocast("cpu", bf16)`` around
+``torch.compile`` of the original, and the pure bf16 model compiled. Forward (no grad) and
+forward+backward, one thread, medians of interleaved rounds, printed as ratios to
+``torch.autocast`` + compile. Per level, from ``torch._dynamo.explain``: graph breaks and
+the number of guards of the captured graphs (TorchDynamo checks every guard before each
+call, in C++; on these tiny models that check is a large share of a compiled call).
 
-Run: python benchmarks/bench_compile.py [--rounds 20] [--levels O1,autocast]
+``--candidate`` adds a column "methods": the autocast level with each module's ``forward``
+a bound method of one function per (class, device, dtype) instead of an object per module
+(a design candidate, built here by rebinding the converted model's forwards; TorchDynamo
+guards a bound method by its function, so such models share graphs and carry fewer guards).
+
+``--guard-cost`` also times every column's forward with guard evaluation skipped
+(``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``; unsafe, a diagnostic only):
+the difference is what the guard check costs per call.
+
+Run: python benchmarks/bench_compile.py [--rounds 20] [--models bert,gpt2] [--guard-cost]
+[--candidate]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import functools
 import statistics
 import time
+import types
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 
 import mixprec as amp
-from bench_overhead import build
+from bench_overhead import LEVELS, _first_tensor, build
+from mixprec.convert.autocast import AutocastForward
+
+BASE = "autocast+compile"
+
+
+def _explain(model: nn.Module, inputs: dict[str, torch.Tensor], autocast: bool) -> tuple[int, int]:
+    """(graph breaks, guards) of ``model`` under ``torch._dynamo.explain``."""
+    region = torch.autocast("cpu", torch.bfloat16) if autocast else contextlib.nullcontext()
+    with region, torch.no_grad():
+        found = torch._dynamo.explain(model)(**inputs)
+    return found.graph_break_count, len(found.out_guards or ())
+
+
+@functools.cache
+def _autocast_forward(cls: type[nn.Module], device: str, dtype: torch.dtype) -> Callable[..., Any]:
+    """The candidate's ``forward`` of every ``cls`` module: its class's forward inside the
+    region, entering it when called from outside (one function per decision)."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == dtype:
+            return cls.forward(self, *args, **kwargs)
+        with torch.autocast(device, dtype):
+            return cls.forward(self, *args, **kwargs)
+
+    return forward
+
+
+def bound_methods(converted: nn.Module) -> nn.Module:
+    """The candidate: ``converted`` (autocast level) with each plain :class:`AutocastForward`
+    replaced by a bound method of :func:`_autocast_forward` (pins and fast paths kept; the
+    root's warning under an outer autocast left out)."""
+    for module in converted.modules():
+        wrapper = module.__dict__.get("forward")
+        plain = isinstance(wrapper, AutocastForward) and not wrapper.as_written
+        if plain and not wrapper.may_get_nested:
+            function = _autocast_forward(type(module), wrapper.device_type, wrapper.dtype)
+            module.__dict__["forward"] = types.MethodType(function, module)
+    return converted
+
+
+def columns(
+    model: nn.Module, inputs: dict[str, torch.Tensor], candidate: bool
+) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, tuple[int, int]]]:
+    """One zero-argument compiled call per column, and (graph breaks, guards) of each."""
+    compiled = torch.compile(model)
+
+    def theirs() -> torch.Tensor:
+        with torch.autocast("cpu", torch.bfloat16):
+            return _first_tensor(compiled(**inputs))
+
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    # compiled through a function of its own: a second cache entry on the original's code
+    # would make the two indistinguishable to the guard-skipping stance of --guard-cost
+    low_compiled = torch.compile(lambda **kwargs: low(**kwargs))
+    calls: dict[str, Callable[[], torch.Tensor]] = {
+        BASE: theirs,
+        "bf16 model": lambda: _first_tensor(low_compiled(**inputs)),
+    }
+    explained = {BASE: _explain(model, inputs, True), "bf16 model": _explain(low, inputs, False)}
+    for level in LEVELS:
+        converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+        explained[level] = _explain(converted, inputs, False)
+        compiled_level = torch.compile(converted)
+        calls[level] = lambda c=compiled_level: _first_tensor(c(**inputs))
+    if candidate:
+        methods = bound_methods(amp.auto_mixed_precision(model, "autocast", torch.bfloat16))
+        explained["methods"] = _explain(methods, inputs, False)
+        compiled_methods = torch.compile(methods)
+        calls["methods"] = lambda: _first_tensor(compiled_methods(**inputs))
+    return calls, explained
+
+
+def time_rounds(
+    calls: dict[str, Callable[[], torch.Tensor]], rounds: int, backward: bool, skip_guards: bool
+) -> dict[str, float]:
+    """Median seconds per call of each, in interleaved rounds (after compiling warm-ups)."""
+    grad = torch.enable_grad if backward else torch.no_grad
+
+    def once(call: Callable[[], torch.Tensor]) -> float:
+        start = time.perf_counter()
+        with grad():
+            out = call()
+            if backward:
+                out.float().sum().backward()
+        return time.perf_counter() - start
+
+    for call in calls.values():  # compile and warm up (first-call work, allocator)
+        for _ in range(3):
+            once(call)
+    stance: Any = contextlib.nullcontext()
+    if skip_guards:
+        stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    with stance:
+        for _ in range(rounds):
+            for name, call in calls.items():
+                times[name].append(once(call))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--levels", default="O1,autocast")
-    parser.add_argument("--model", default="bert")
+    parser.add_argument("--models", default="bert,gpt2")
+    parser.add_argument("--guard-cost", action="store_true", help="also time with guards skipped")
+    parser.add_argument("--candidate", action="store_true", help="add the bound-method column")
     args = parser.parse_args()
-    warnings.simplefilter("ignore")  # bf16 is slow on an AVX2 CPU: the model is tiny
+    warnings.simplefilter("ignore")  # bf16 is slow on an AVX2 CPU: the models are tiny
     torch.set_num_threads(1)  # host time, not thread contention
-    torch.manual_seed(0)
-    model, inputs = build(args.model)
-    model.eval()
-    compiled_original = torch.compile(model)
-
-    def theirs() -> object:
-        with torch.autocast("cpu", torch.bfloat16):
-            return compiled_original(**inputs)
-
-    calls = {"torch.autocast+compile": theirs}
-    breaks = {"original": torch._dynamo.explain(model)(**inputs).graph_break_count}
-    for level in args.levels.split(","):
-        converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
-        breaks[level] = torch._dynamo.explain(converted)(**inputs).graph_break_count
-        compiled = torch.compile(converted)
-        calls[f"{level} level+compile"] = lambda c=compiled: c(**inputs)
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    with torch.no_grad():
-        for call in calls.values():
-            call()
-            call()
-        for _ in range(args.rounds):
-            for name, call in calls.items():
-                start = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - start)
-    base = statistics.median(times["torch.autocast+compile"])
-    print(f"{args.model}: graph breaks {breaks}")
-    for name, values in times.items():
-        median = statistics.median(values)
-        print(f"{name:20s} {median * 1e3:8.3f} ms  {median / base:5.2f}x")
+    names = (BASE, "bf16 model", *LEVELS, *(("methods",) if args.candidate else ()))
+    print("compiled (inductor) host time per call, ratio to torch.autocast around the compiled")
+    print(f"original (median of {args.rounds} interleaved rounds)")
+    print(f"{'model':6s} {'pass':8s} {BASE:>18s}" + "".join(f"{n:>11s}" for n in names[1:]))
+    for model_name in args.models.split(","):
+        model, inputs = build(model_name)
+        calls, explained = columns(model, inputs, args.candidate)
+        for backward in (False, True):
+            for skip in (False, True) if args.guard_cost and not backward else (False,):
+                med = time_rounds(calls, args.rounds, backward, skip)
+                base = med[BASE]
+                label = ("fwd+bwd" if backward else "fwd") + (" -g" if skip else "")
+                row = f"{model_name:6s} {label:8s} {base * 1e3:15.3f} ms"
+                row += "".join(f"{med[n] / base:10.2f}x" for n in names[1:])
+                print(row, flush=True)
+        for what, index in (("graph breaks", 0), ("guards", 1)):
+            row = f"{model_name:6s} {what:12s} {explained[BASE][index]:14d}"
+            print(row + "".join(f"{explained[n][index]:11d}" for n in names[1:]), flush=True)
+    if args.guard_cost:
+        print("-g: guard evaluation skipped (unsafe; shows what the guard check costs)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,100 @@
+"""torch.compile of converted transformers: graph breaks and recompiles at every level.
+
+Tiny BERT and GPT-2 (1 layer, width 16: a layer is the unit every other repeats). TorchDynamo only (``explain`` and the
+``eager`` backend): inductor adds compile time and nothing these tests check.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as amp
+
+LEVELS = ("O1", "autocast", "O2", "O3")
+IDS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+
+pytestmark = pytest.mark.slow  # one dynamo trace per model and level: ~40 s in all here
+
+
+def _model(name: str) -> nn.Module:
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config = tf.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+        return tf.GPT2LMHeadModel(config).eval()
+    config = tf.BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
+    return tf.BertModel(config).eval()
+
+
+def _first(out: object) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else next(iter(out.values()))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_no_more_graph_breaks_than_the_original_at_every_level(name: str) -> None:
+    model = _model(name)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bf16 on a CPU without bf16 instructions
+        with torch.autocast("cpu", torch.bfloat16):
+            theirs = torch._dynamo.explain(model)(input_ids=IDS).graph_break_count
+        for level in LEVELS:
+            converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+            ours = torch._dynamo.explain(converted)(input_ids=IDS).graph_break_count
+            assert ours <= theirs, (level, ours, theirs)
+
+
+_O1_RECOMPILES = pytest.mark.xfail(
+    strict=True,
+    reason="O1's first call creates the thread's region state (convert/autocast.py Region."
+    "local), which its graph guards as absent: the second call compiles a second graph",
+)
+
+
+@pytest.mark.parametrize(
+    "level", [pytest.param("O1", marks=_O1_RECOMPILES), "autocast", "O2", "O3"]
+)
+def test_compiled_once_then_no_recompile(level: str) -> None:
+    converted = amp.auto_mixed_precision(_model("bert"), level, torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(converted, backend="eager")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = _first(compiled(input_ids=IDS))
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            second = _first(compiled(input_ids=IDS))
+        expected = _first(converted(input_ids=IDS))
+    assert torch.equal(first, second)
+    assert torch.equal(second, expected)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="each converted module's instance forward is ID-guarded (TorchDynamo guards a "
+    "patched forward by identity): every converted model compiles graphs of its own, and "
+    "past the recompile limit (8) on the wrappers' shared code the next one runs eagerly",
+)
+@pytest.mark.parametrize("level", ["O1", "autocast", "O2"])  # O3 shares O2's wrapper
+def test_more_converted_models_than_the_recompile_limit_all_compile(level: str) -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.randn(2, 4)
+    limit = torch._dynamo.config.recompile_limit
+    for seed in range(limit + 1):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+        converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+        torch.compile(converted, backend="eager")(x)
+    assert counters["frames"]["ok"] == counters["frames"]["total"]
