@@ -167,6 +167,16 @@ class Fp32Forward(ForwardBase):
             return type(self.module).forward(self.module, *args, **kwargs)
 
 
+class _RegionLocal(threading.local):
+    """A thread's place in an O1 region, made when the thread first reads it (outside:
+    depth 0), so a first call leaves it as it found it: a compiled first call's graph
+    guards on it, and the next call matches that graph instead of compiling another."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.mode: RuntimeListMode | None = None
+
+
 class Region:
     """One O1 conversion's run-time state: the decision table its calls run under, and
     how deep this thread is inside a call of the model (0: outside)."""
@@ -174,7 +184,7 @@ class Region:
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
         self.table, self.default = decision_table(recipe, ())
-        self.local = threading.local()
+        self.local = _RegionLocal()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"recipe": self.recipe}  # torch functions and thread state do not pickle
@@ -296,12 +306,14 @@ class WhiteForward(ForwardBase):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         local = self.region.local
-        if getattr(local, "depth", 0):  # inside the model
-            return self._finish(local.mode, self._run(local.mode, args, kwargs))
-        local.depth, local.mode = 1, self.region.mode()
+        running = local.mode
+        if getattr(local, "depth", 0) and running is not None:  # inside the model
+            return self._finish(running, self._run(running, args, kwargs))
+        mode = self.region.mode()
+        local.depth, local.mode = 1, mode
         try:
-            with local.mode:
-                return self._finish(local.mode, self._run(local.mode, args, kwargs))
+            with mode:
+                return self._finish(mode, self._run(mode, args, kwargs))
         finally:
             local.depth, local.mode = 0, None
 
