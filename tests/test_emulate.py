@@ -20,6 +20,7 @@ from helpers import rel_error
 from mixprec.cli.models import SmallCNN, TinyMLP, TinyTransformer
 from mixprec.convert.emulate import EmulationMode, is_emulated
 from mixprec.inspect import CastCounter
+from mixprec.policy.ops import only_plain_tensors
 
 LEVELS = ("O1", "O2", "autocast")
 
@@ -317,3 +318,32 @@ def test_emulation_leaves_gemms_on_foreign_tensor_subclasses_alone() -> None:
     assert counter.total == 0  # not upcast: the subclass's own GEMM ran
     assert out.dtype == torch.bfloat16
     assert _Foreign.calls > 0
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_emulated_training_step_with_masters_emulates_the_gemms(level: str) -> None:
+    """The step's low-precision Parameter copies (a Parameter subclass with no rules of its
+    own) are plain tensors to the emulation: its convolutions run in float32 kernels."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[torch.dtype] = []
+
+    class Convolutions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten.convolution.default:
+                seen.append(args[1].dtype)  # the weight
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(), torch.nn.Linear(8, 2))
+    step = amp.build_train_network(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.CrossEntropyLoss(), level,
+        dtype="bf16", emulate=True,
+    )  # fmt: skip
+    low = step.network[0].weight
+    assert low.dtype == torch.bfloat16
+    assert only_plain_tensors((low,), {})
+    with Convolutions():
+        step(torch.randn(2, 1, 4, 4), torch.tensor([0, 1]))
+    assert seen  # the forward's convolution, at least
+    assert set(seen) == {torch.float32}  # emulated: float32 kernels on rounded values

@@ -167,8 +167,20 @@ def only_plain_tensors(args: Iterable[Any], kwargs: dict[str, Any]) -> bool:
             continue
         for leaf in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(leaf, torch.Tensor) and type(leaf) not in plain:
-                return False
+                if not _behaves_plain(type(leaf)):
+                    return False
     return True
+
+
+@functools.lru_cache(maxsize=64)
+def _behaves_plain(cls: type) -> bool:
+    """A tensor subclass with no rules of its own: torch-function handling disabled (as
+    ``nn.Parameter`` has it) and no ``__torch_dispatch__`` (a Parameter subclass such as the
+    training step's low-precision copies)."""
+    return (
+        getattr(cls, "__torch_function__", None) is torch._C._disabled_torch_function_impl
+        and getattr(cls, "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__
+    )
 
 
 @functools.lru_cache(maxsize=1)
