@@ -166,9 +166,12 @@ def only_plain_tensors(args: Iterable[Any], kwargs: dict[str, Any]) -> bool:
         if type(value) in plain:
             continue
         for leaf in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(leaf, torch.Tensor) and type(leaf) not in plain:
-                if not _behaves_plain(type(leaf)):
-                    return False
+            if (
+                isinstance(leaf, torch.Tensor)
+                and type(leaf) not in plain
+                and not _behaves_plain(type(leaf))
+            ):
+                return False
     return True
 
 
