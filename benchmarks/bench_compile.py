@@ -28,8 +28,6 @@ import argparse
 import contextlib
 import copy
 import functools
-import statistics
-import time
 import types
 import warnings
 from collections.abc import Callable
@@ -39,7 +37,7 @@ import torch
 from torch import nn
 
 import mixprec as amp
-from bench_overhead import LEVELS, _first_tensor, build
+from bench_overhead import LEVELS, _first_tensor, build, time_rounds
 from mixprec.convert.autocast import AutocastForward
 
 BASE = "autocast+compile"
@@ -112,32 +110,9 @@ def columns(
     return calls, explained
 
 
-def time_rounds(
-    calls: dict[str, Callable[[], torch.Tensor]], rounds: int, backward: bool, skip_guards: bool
-) -> dict[str, float]:
-    """Median seconds per call of each, in interleaved rounds (after compiling warm-ups)."""
-    grad = torch.enable_grad if backward else torch.no_grad
-
-    def once(call: Callable[[], torch.Tensor]) -> float:
-        start = time.perf_counter()
-        with grad():
-            out = call()
-            if backward:
-                out.float().sum().backward()
-        return time.perf_counter() - start
-
-    for call in calls.values():  # compile and warm up (first-call work, allocator)
-        for _ in range(3):
-            once(call)
-    stance: Any = contextlib.nullcontext()
-    if skip_guards:
-        stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    with stance:
-        for _ in range(rounds):
-            for name, call in calls.items():
-                times[name].append(once(call))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+def _skipping_guards() -> contextlib.AbstractContextManager[Any]:
+    """Guard evaluation skipped (unsafe: a diagnostic of what the guard check costs)."""
+    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
 
 
 def main() -> None:
@@ -158,7 +133,8 @@ def main() -> None:
         calls, explained = columns(model, inputs, args.candidate)
         for backward in (False, True):
             for skip in (False, True) if args.guard_cost and not backward else (False,):
-                med = time_rounds(calls, args.rounds, backward, skip)
+                timed = _skipping_guards if skip else contextlib.nullcontext
+                med = time_rounds(calls, args.rounds, backward, timed)
                 base = med[BASE]
                 label = ("fwd+bwd" if backward else "fwd") + (" -g" if skip else "")
                 row = f"{model_name:6s} {label:8s} {base * 1e3:15.3f} ms"

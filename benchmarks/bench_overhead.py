@@ -13,6 +13,7 @@ Run: python benchmarks/bench_overhead.py [--quick] [--models gpt2,bert,t5,resnet
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import statistics
@@ -142,9 +143,13 @@ def callers(
 
 
 def time_rounds(
-    calls: dict[str, Callable[[], torch.Tensor]], rounds: int, backward: bool
+    calls: dict[str, Callable[[], torch.Tensor]],
+    rounds: int,
+    backward: bool,
+    timed: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> dict[str, float]:
-    """Median seconds per call of each, measured in interleaved rounds."""
+    """Median seconds per call of each, measured in interleaved rounds (after three
+    warm-up calls each; the rounds run inside ``timed()``)."""
     grad = torch.enable_grad if backward else torch.no_grad
 
     def once(call: Callable[[], torch.Tensor]) -> float:
@@ -159,9 +164,10 @@ def time_rounds(
         for _ in range(3):
             once(call)
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            times[name].append(once(call))
+    with timed():
+        for _ in range(rounds):
+            for name, call in calls.items():
+                times[name].append(once(call))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
