@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import mixprec as amp
 CASES = [("O2", "bfloat16"), ("O2", "float16"), ("O3", "bfloat16"), ("O3", "float16")]
 
 
-def _build(level: str, dtype: str) -> tuple[amp.TrainStep, nn.Sequential]:
+def _build(level: str, dtype: str | None, **options: Any) -> tuple[amp.TrainStep, nn.Sequential]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3))
     step = amp.build_train_network(
@@ -26,6 +27,7 @@ def _build(level: str, dtype: str) -> tuple[amp.TrainStep, nn.Sequential]:
         level=level,
         dtype=dtype,
         loss_scale_manager=None,
+        **options,
     )
     return step, model
 
@@ -74,17 +76,7 @@ def test_network_state_dict_holds_the_float32_masters(level: str, dtype: str) ->
 def test_hooks_on_the_users_parameters_fire_as_on_the_original(
     level: str, dtype: str | None
 ) -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3))
-    step = amp.build_train_network(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.5),
-        nn.CrossEntropyLoss(),
-        level=level,
-        dtype=dtype,
-        loss_scale_manager=None,
-        accumulation_steps=2,
-    )
+    step, model = _build(level, dtype, accumulation_steps=2)
     seen: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     model[2].weight.register_hook(lambda g: seen.append(("grad", g.dtype, tuple(g.shape))))
     model[2].weight.register_post_accumulate_grad_hook(
