@@ -213,7 +213,95 @@ def test_recurrent_and_island_modules_take_the_full_path() -> None:
     x = torch.randn(2, 3, 4)
     out, (h, c) = converted(x)
     ref, _ = model(x)
-    assert seen == [torch.float32]  # the float32 island's hooks see its float32 input
+    assert seen == [torch.bfloat16]  # the island's hooks see what its caller passed
     assert out.dtype == h.dtype == c.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=0.05, atol=0.05)
     assert all(p.dtype == torch.float32 for p in model[2].parameters())  # not written
+
+
+class _OwnNorm(nn.LayerNorm):
+    """A norm with its own ``forward``: its island casts (its code may not take a low input)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+_NORMS = {
+    "batch_norm_1d": (lambda: nn.BatchNorm1d(6), (5, 6)),
+    "batch_norm_2d": (lambda: nn.BatchNorm2d(6), (2, 6, 3, 3)),
+    "layer_norm": (lambda: nn.LayerNorm(6), (5, 6)),
+    "layer_norm_plain": (lambda: nn.LayerNorm(6, elementwise_affine=False), (5, 6)),
+    "group_norm": (lambda: nn.GroupNorm(2, 6), (2, 6, 3, 3)),
+    "instance_norm": (lambda: nn.InstanceNorm2d(6, affine=True), (2, 6, 3, 3)),
+}
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", sorted(_NORMS))
+def test_an_o2_norm_island_is_one_kernel_with_the_bits_of_casting(
+    norm: str, dtype: torch.dtype, train: bool
+) -> None:
+    """O2's black-list norms compute in float32 on their low input inside their kernel (CPU):
+    no cast kernels, and bit for bit what casting the input up, computing in float32 and
+    casting the output back gives; running statistics alike."""
+    from mixprec.inspect import CastCounter
+
+    torch.manual_seed(0)
+    make, shape = _NORMS[norm]
+    model = nn.Sequential(nn.Identity(), make()).train(train)
+    with torch.no_grad():
+        for p in model[1].parameters():
+            p.uniform_(0.5, 1.5)
+    reference = make().train(train)
+    reference.load_state_dict(model[1].state_dict())
+    converted = amp.auto_mixed_precision(model, "O2", dtype)
+    x = torch.randn(shape) * 3 + 1
+    with CastCounter() as counter:
+        out = converted(x)
+    expected = reference(x.to(dtype).float()).to(dtype).float()
+    assert out.dtype == torch.float32
+    assert torch.equal(out, expected)
+    assert counter.total == 2  # the root's input and output casts only
+    for name, buffer in reference.named_buffers():
+        if buffer.is_floating_point():
+            torch.testing.assert_close(converted[1].get_buffer(name), buffer, rtol=1e-6, atol=1e-7)
+    assert all(p.dtype == torch.float32 for p in converted[1].parameters())
+
+
+def test_a_norm_island_with_its_own_forward_or_under_autocast_casts() -> None:
+    from mixprec.inspect import CastCounter
+
+    torch.manual_seed(0)
+    for norm, casts in ((_OwnNorm(4), 2), (nn.LayerNorm(4), 0)):
+        converted = amp.auto_mixed_precision(
+            nn.Sequential(nn.Identity(), norm), "O2", torch.bfloat16
+        )
+        seen: list[torch.dtype] = []
+        converted[1].register_forward_pre_hook(lambda m, a, seen=seen: seen.append(a[0].dtype))
+        x = torch.randn(3, 4)
+        with CastCounter() as counter:
+            out = converted(x)
+        assert counter.total == 2 + casts  # the root's in and out; the island's in and out
+        assert seen == [torch.bfloat16]
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.float(), norm(x.bfloat16().float()), rtol=0.02, atol=0.02)
+        # called directly with a float32 tensor: computes in float32, returns low
+        assert converted[1](x).dtype == torch.bfloat16
+        with torch.autocast("cpu", torch.bfloat16), pytest.warns(UserWarning, match="outer"):
+            assert converted(x).dtype == torch.float32  # outer autocast is off inside
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_fused_encoder_layer_with_islands_takes_its_standard_path(level: str) -> None:
+    """At O2 the layer's norms compute in float32 and its linears low: its fused kernel takes
+    one dtype, so the layer runs its standard path (at O3 all is low: the fused kernel)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0).eval()
+    converted = amp.auto_mixed_precision(layer, level, torch.bfloat16)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        out = converted(x)
+        expected = layer(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=0.05, atol=0.05)

@@ -168,22 +168,45 @@ def test_graph_levels_agree_with_decide_for_module_calls(level: str) -> None:
 
 
 @pytest.mark.parametrize("level", ["O2", "O3"])
-def test_conversion_computes_what_the_policy_says(level: str) -> None:
+def test_conversion_computes_what_the_policy_says(
+    level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each module's own ``forward`` receives its inputs in the dtype the policy gives it
+    (a norm whose kernel computes in float32 from a low input receives it low)."""
+    from mixprec.convert.cast_at_use import fused_island
+
     net = _Net()
     answers = _recipe(net, level).module_precisions(net)
     converted = mixprec.auto_mixed_precision(net, level, "bf16", **PINS)
+    names = {id(m): p for p, m in converted.named_modules()}
+    # (a recurrent layer runs on a per-call view of itself, which shares its tables)
+    tables = {id(m._parameters): p for p, m in converted.named_modules()}
     seen: dict[str, torch.dtype] = {}
-    for path, module in converted.named_modules():
 
-        def record(m: nn.Module, args: tuple[Any, ...], path: str = path) -> None:
-            if args:
-                seen[path] = args[0].dtype
+    def recording(forward: Any) -> Any:
+        def record(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            path = names.get(id(module)) or tables.get(id(module._parameters))
+            if path and args and isinstance(args[0], torch.Tensor):
+                seen.setdefault(path, args[0].dtype)
+            return forward(module, *args, **kwargs)
 
-        if path:  # the root casts its inputs inside its forward, after its hooks
-            module.register_forward_pre_hook(record)
+        return record
+
+    modules = dict(net.named_modules())
+    fused = {
+        path
+        for path in modules
+        if fused_island(modules[path])
+        and answers[path] is F
+        and answers[path.rpartition(".")[0]] is L
+    }
+    for cls in {type(m) for m in converted.modules()}:
+        monkeypatch.setattr(cls, "forward", recording(cls.forward))
     converted(torch.randn(3, 4))
     expected_dtype = {L: torch.bfloat16, F: torch.float32}
-    assert seen == {path: expected_dtype[answers[path]] for path in seen}
+    assert fused == ({"bn", "ln"} if level == "O2" else set())
+    expected = {path: expected_dtype[answers[path]] for path in seen}
+    assert seen == {**expected, **dict.fromkeys(fused, torch.bfloat16)}
     called = set(answers) - {"", "par.parametrizations", "par.parametrizations.weight"}
     assert set(seen) == called
 

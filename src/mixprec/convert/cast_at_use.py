@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 
 from mixprec._warn import warn
 from mixprec.policy import lists
-from mixprec.policy.dtypes import is_castable
+from mixprec.policy.dtypes import _CASTABLE, is_castable
 from mixprec.policy.ops import cast_tree, only_plain_tensors, op_name
 
 __all__ = [
@@ -161,7 +161,8 @@ class CastState:
             try:
                 with torch._C.DisableTorchFunction():
                     for stored, low, version in frame.casts.values():
-                        if low is not stored and _version(low) != version:
+                        # (-1: an inference tensor, which has no version counter)
+                        if low is not stored and version != -1 and low._version != version:
                             write_back(stored, low)  # the forward wrote into ``self.weight``
             finally:
                 frame.casts.clear()
@@ -176,13 +177,23 @@ class CastState:
         hit = frame.casts.get(id(tensor))
         if hit is not None and hit[0] is tensor:
             return hit[1]
-        # mixprec's own bookkeeping is not the model's code: MixedOperands need not see it
+        return _cast_for(frame, tensor, self.dtype)
+
+
+def _cast_for(frame: _Frame, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast ``tensor`` to ``dtype`` for the running call ``frame`` and remember the cast
+    (and its version, to find a write the forward makes into it)."""
+    low = tensor
+    if tensor.dtype is not dtype and tensor.dtype in _CASTABLE:
+        # mixprec's own bookkeeping is not the model's code: no mode need see it
         with torch._C.DisableTorchFunction():
-            low = tensor
-            if tensor.dtype != self.dtype and is_castable(tensor):
-                low = tensor.to(self.dtype)
-            frame.casts[id(tensor)] = (tensor, low, _version(low))
-        return low
+            low = tensor.to(dtype)
+    try:
+        version = low._version
+    except RuntimeError:  # an inference tensor has no version counter
+        version = -1
+    frame.casts[id(tensor)] = (tensor, low, version)
+    return low
 
 
 class LowParameters(dict[str, Any]):
@@ -198,6 +209,14 @@ class LowParameters(dict[str, Any]):
         super().__init__(table)
         self.kept = kept  # names that stay as stored (an old weight hook's originals)
         self.state = state
+        self.local = state._local
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"kept": self.kept, "state": self.state}  # (a thread-local is not copied)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.local = self.state._local
 
     def __getitem__(self, name: str) -> Any:
         value = dict.__getitem__(self, name)
@@ -208,13 +227,13 @@ class LowParameters(dict[str, Any]):
                 frame = self.state.frame()
                 return value if frame is None else self.state.low(value, frame)
             return value.to(self.state.dtype) if is_castable(value) else value
-        frame = getattr(self.state._local, "frame", None)
+        frame = getattr(self.local, "frame", None)
         if frame is None or not frame.depth:
             return value
         hit = frame.casts.get(id(value))
         if hit is not None and hit[0] is value:
             return hit[1]
-        return self.state.low(value, frame)
+        return _cast_for(frame, value, self.state.dtype)
 
     def items(self) -> Any:
         if _tracing() or self.state.frame() is None:
@@ -309,6 +328,13 @@ def settled(values: Any, dtype: torch.dtype) -> bool:
     return True
 
 
+def _needs_cast(value: Any, dtype: torch.dtype) -> bool:
+    """Whether one argument may need a cast to ``dtype`` (a container: maybe)."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype is not dtype and value.dtype in _CASTABLE
+    return not isinstance(value, (int, float, bool, str, type(None)))
+
+
 def cast_args(
     args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -336,6 +362,27 @@ def has_fast_path(module: nn.Module) -> bool:
     return "forward" not in module.__dict__ and any(
         type(module).forward is cls.forward for cls in _FAST_PATH_MODULES
     )
+
+
+#: Norms whose kernel takes a low-precision input with float32 weights and statistics,
+#: computes in float32 and returns the input's dtype, on these device types: the same
+#: bits as casting the input up, computing in float32 and casting the output down (what a
+#: float32 island does), with no cast kernels. (CUDA's layer and group norms require one
+#: dtype: there an island casts.)
+_FUSED_ISLANDS: dict[Callable[..., Any], frozenset[str]] = {
+    nn.modules.batchnorm._BatchNorm.forward: frozenset({"cpu", "cuda"}),
+    nn.LayerNorm.forward: frozenset({"cpu"}),
+    nn.GroupNorm.forward: frozenset({"cpu"}),
+    nn.modules.instancenorm._InstanceNorm.forward: frozenset({"cpu"}),
+}
+
+
+def fused_island(module: nn.Module) -> frozenset[str]:
+    """The device types on which ``module``, a float32 island in low-precision code, runs
+    as one kernel on its low-precision input (none: it casts its input and output)."""
+    if "forward" in module.__dict__:
+        return frozenset()
+    return _FUSED_ISLANDS.get(type(module).forward, frozenset())
 
 
 def _outer_autocast() -> bool:
@@ -409,6 +456,8 @@ class ModuleCall:
         output_dtype: torch.dtype | None = None,
         float32: bool = False,
         dtype: torch.dtype | None = None,
+        fused: frozenset[str] = frozenset(),
+        mixed_kernel: bool = False,
     ) -> None:
         self.module = module
         self.state = state
@@ -419,14 +468,23 @@ class ModuleCall:
         self.output_dtype = output_dtype
         self.float32 = float32  # a float32 island: an outer torch.autocast is off inside
         self.dtype = dtype  # what floating inputs are cast to (None: taken as they come)
+        #: a float32 island's kernel takes its low input as it is on these device types
+        self.fused = fused
+        #: a module computing in another dtype than its parent: it casts its floating
+        #: inputs to ``dtype`` and its floating outputs back to ``output_dtype``
+        self.island = not root and dtype is not None and output_dtype is not None
         self.inner: Callable[..., Any] | None = module.__dict__.get("forward")
         #: a loss module: its own code runs under the mixed-operand rule (a loss in float32)
-        self.loss = isinstance(module, nn.modules.loss._Loss)
+        #: (or a fused-kernel module whose children compute in two dtypes, which its kernel
+        #: cannot take: the mode makes it take its standard path)
+        self.loss = isinstance(module, nn.modules.loss._Loss) or mixed_kernel
         #: a call that needs more than the fast path when it runs inside a running call
         self.special = isinstance(module, nn.RNNBase)
+        #: whether a call inside a running call takes the hot path (not the root's)
+        self.nested = not root and not self.special
         #: PyTorch's own forward of a class with a fused fast path, which any active
         #: torch-function mode turns off: it runs with the conversion's mode set aside
-        self.fast_path = has_fast_path(module)
+        self.fast_path = has_fast_path(module) and not mixed_kernel
         #: whether its floating buffers may meet low activations in its own code (a
         #: float32 island computes in float32; a norm's kernel takes float32 statistics)
         self.buffers_mix = not float32 and not isinstance(module, lists.FP32_STATE_MODULES)
@@ -454,19 +512,19 @@ class ModuleCall:
         return code if isinstance(code, types.CodeType) else type(self).__call__.__code__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.root and not torch.compiler.is_compiling():
+        if self.nested and not torch.compiler.is_compiling():
             frame = getattr(self.local, "frame", None)
-            if (
-                frame is not None
-                and frame.depth
-                and not self.special
-                and not (self.float32 and _outer_autocast())
-            ):
+            if frame is not None and frame.depth and not (self.float32 and _outer_autocast()):
                 # a submodule called by its parent: the hot path
                 dtype = self.dtype
                 if dtype is not None:
-                    args, kwargs = cast_args(args, kwargs, dtype)
-                if self.loss or (self.buffers_mix and _floating(self.module._buffers)):
+                    if self.island:
+                        return self._island(frame, args, kwargs)
+                    if kwargs or len(args) != 1 or _needs_cast(args[0], dtype):
+                        args, kwargs = cast_args(args, kwargs, dtype)
+                if self.loss or (
+                    self.buffers_mix and self.module._buffers and _floating(self.module._buffers)
+                ):
                     if not frame.active:
                         return self._moded(frame, True, args, kwargs)
                 elif frame.active:
@@ -476,6 +534,34 @@ class ModuleCall:
                     return inner(*args, **kwargs)
                 return type(self.module).forward(self.module, *args, **kwargs)
         return self._enter(args, kwargs)
+
+    def _island(self, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """An island inside a running call: its inputs cast to its dtype (or, for a norm
+        whose kernel computes in float32 from a low input, taken as they are), its own
+        code run with no mode, its outputs cast back."""
+        fused = self._fused(args, kwargs)
+        if not fused:
+            args, kwargs = cast_args(args, kwargs, self.dtype)  # type: ignore[arg-type]
+        out = self._moded(frame, False, args, kwargs) if frame.active else self._plain(args, kwargs)
+        if fused or self.output_dtype is None:
+            return out
+        with torch._C.DisableTorchFunction():
+            return cast_tree(out, self.output_dtype)
+
+    def _fused(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether this island's kernel takes ``args`` as they are (one low-precision
+        tensor on a device whose kernel computes in float32 from it)."""
+        if not self.fused or kwargs or len(args) != 1:
+            return False
+        x = args[0]
+        return (
+            isinstance(x, torch.Tensor)
+            and x.dtype == self.state.dtype
+            and x.device.type in self.fused
+            and x.layout is torch.strided
+            and not x.is_nested
+            and not _outer_autocast()
+        )
 
     def _moded(self, frame: _Frame, on: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the module's own code with the conversion's :class:`MixedOperands` mode on
@@ -518,7 +604,7 @@ class ModuleCall:
                     if cast is not leaf
                 ]
             args, kwargs = cast_pos, cast_kwargs
-        elif self.dtype is not None:
+        elif self.dtype is not None and not self._fused(args, kwargs):
             if torch.compiler.is_compiling():  # no torch-function state inside a graph
                 args, kwargs = cast_tree((args, kwargs), self.dtype)
             else:

@@ -16,11 +16,12 @@ of running it (the root's ``forward``, a submodule, another method such as
    what the next call computes with. Buffers stay float32 and are read as they are
    (running statistics, counters and EMAs updated in place keep float32 precision);
 3. modules that run in float32 (norms on the black list, modules pinned to float32,
-   parametrizations, whose math runs on the float32 original) have their inputs cast up
-   and their outputs cast back down by hooks (so their own hooks see what they compute
-   with); batch and instance norms that compute in
-   low precision (O3) keep float32 weights and running statistics, which their kernels
-   take with a low-precision input;
+   parametrizations, whose math runs on the float32 original) cast their inputs up and
+   their outputs back down in their ``ModuleCall`` (their hooks see what their caller
+   passed, as a layer's do); a norm whose kernel computes in float32 from a low input
+   (:func:`~.cast_at_use.fused_island`) takes it as it is, the same bits with no cast
+   kernels; batch and instance norms that compute in low precision (O3) keep float32
+   weights and running statistics, which their kernels take with a low-precision input;
 4. every low-precision module with weights casts its floating inputs down in its
    ``ModuleCall`` (a no-op when they already are; no hook, so a module without hooks of
    the user's keeps ``nn.Module``'s fast call path), so a tensor the model makes in float32 inside its forward still
@@ -33,9 +34,6 @@ of running it (the root's ``forward``, a submodule, another method such as
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -44,8 +42,8 @@ from mixprec.convert.cast_at_use import (
     CastState,
     LowParameters,
     ModuleCall,
+    fused_island,
     has_fast_path,
-    settled,
 )
 from mixprec.convert.plan import Cast, CastPlan, Conversion, PlanRow, RowKind, dtype_name
 from mixprec.convert.structure import (
@@ -60,25 +58,16 @@ from mixprec.convert.structure import (
 from mixprec.policy import lists
 from mixprec.policy.dtypes import is_castable
 from mixprec.policy.levels import Precision, Recipe
-from mixprec.policy.ops import cast_tree
 
 __all__ = ["ExtraRepr", "convert_module_level"]
 
 
-def _cast_inputs_hook(
-    dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    with torch._C.DisableTorchFunction():  # mixprec's casts are not the model's ops
-        if settled(args, dtype) and settled(kwargs.values(), dtype):
-            return None  # the common case: nothing to cast, no tree walk
-        return cast_tree(args, dtype), cast_tree(kwargs, dtype)
-
-
-def _cast_output_hook(
-    dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], output: Any
-) -> Any:
-    with torch._C.DisableTorchFunction():
-        return cast_tree(output, dtype)
+def _device_type(module: nn.Module, root: nn.Module) -> str:
+    """The device type of ``module``'s state (of the model's, when it holds none)."""
+    for owner in (module, root):
+        for tensor in (*owner.parameters(), *owner.buffers()):
+            return tensor.device.type
+    return "cpu"
 
 
 def convert_module_level(
@@ -122,20 +111,23 @@ def convert_module_level(
         precision = recipe.module_precision(module, path, parent)
         dtype = low if precision is Precision.LOW else torch.float32
         cast_in: torch.dtype | None = None  # what the module casts its floating inputs to
+        cast_out: torch.dtype | None = None  # what an island casts its outputs back to
+        fused: frozenset[str] = frozenset()
         if precision is not parent and module is not root:
-            # an island: hooks cast, so the module's own hooks see what it computes with
-            outer = low if parent is Precision.LOW else torch.float32
-            module.register_forward_pre_hook(
-                functools.partial(_cast_inputs_hook, dtype), with_kwargs=True
-            )
-            module.register_forward_hook(functools.partial(_cast_output_hook, outer))
+            # an island: it casts its inputs in and its outputs back in its own call
+            cast_in = dtype
+            cast_out = low if parent is Precision.LOW else torch.float32
+            if dtype == torch.float32:
+                fused = fused_island(module)
+            # (the plan assumes the device the module's state is on at conversion)
+            kernel = fused and _device_type(module, root) in fused
             rows.append(
                 PlanRow.make(
                     path,
                     type(module).__name__,
                     dtype,
-                    [Cast("input", dtype)],
-                    [Cast("output", outer)],
+                    () if kernel else [Cast("input", dtype)],
+                    () if kernel else [Cast("output", cast_out)],
                     kind=RowKind.ISLAND,
                     note="island",
                 )
@@ -156,12 +148,26 @@ def convert_module_level(
             cast_here += [Cast(qualified_name(path, name), low) for name in computed]
             if owned or kept:
                 set_parameters(module, LowParameters(module._parameters, kept, state))
-            fused = has_fast_path(module)  # its fused kernels take its children's weights
-            if (owned or kept or fused) and module is not root and precision is parent:
+            fast = has_fast_path(module)  # its fused kernels take its children's weights
+            if (owned or kept or fast) and module is not root and precision is parent:
                 cast_in = low
         if module is not root:
             island = precision is Precision.FP32
-            call = ModuleCall(module, state, float32=island, dtype=cast_in)
+            # a fused layer kernel takes every weight of the layer in one dtype
+            mixed = isinstance(module, nn.TransformerEncoderLayer) and any(
+                recipe.module_precision(child, qualified_name(path, name), precision)
+                is not precision
+                for name, child in module.named_children()
+            )
+            call = ModuleCall(
+                module,
+                state,
+                float32=island,
+                dtype=cast_in,
+                output_dtype=cast_out,
+                fused=fused,
+                mixed_kernel=mixed,
+            )
             set_forward(module, call)
         if cast_here:
             rows.append(
