@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 
 from mixprec._warn import warn
 from mixprec.policy import lists
-from mixprec.policy.dtypes import _CASTABLE, is_castable
+from mixprec.policy.dtypes import _CASTABLE, is_castable, to_dtype
 from mixprec.policy.ops import cast_tree, only_plain_tensors, op_name
 
 __all__ = [
@@ -187,7 +187,7 @@ def _cast_for(frame: _Frame, tensor: torch.Tensor, dtype: torch.dtype) -> torch.
     if tensor.dtype is not dtype and tensor.dtype in _CASTABLE:
         # mixprec's own bookkeeping is not the model's code: no mode need see it
         with torch._C.DisableTorchFunction():
-            low = tensor.to(dtype)
+            low = to_dtype(tensor, dtype)
     try:
         version = low._version
     except RuntimeError:  # an inference tensor has no version counter
@@ -428,7 +428,7 @@ def _cast_top(value: Any, dtype: torch.dtype, casts: dict[int, torch.Tensor]) ->
             return value.to(dtype)
         cast = casts.get(id(value))
         if cast is None:
-            cast = casts[id(value)] = value.to(dtype)
+            cast = casts[id(value)] = to_dtype(value, dtype)
         return cast
     return value
 
@@ -520,7 +520,7 @@ class ModuleCall:
                 if dtype is not None:
                     if self.island:
                         return self._island(frame, args, kwargs)
-                    if kwargs or len(args) != 1 or _needs_cast(args[0], dtype):
+                    if kwargs or len(args) != 1 or frame.active or _needs_cast(args[0], dtype):
                         args, kwargs = cast_args(args, kwargs, dtype)
                 if self.loss or (
                     self.buffers_mix and self.module._buffers and _floating(self.module._buffers)
@@ -554,14 +554,16 @@ class ModuleCall:
         if not self.fused or kwargs or len(args) != 1:
             return False
         x = args[0]
-        return (
-            isinstance(x, torch.Tensor)
-            and x.dtype == self.state.dtype
-            and x.device.type in self.fused
-            and x.layout is torch.strided
-            and not x.is_nested
-            and not _outer_autocast()
-        )
+        if not isinstance(x, torch.Tensor):
+            return False
+        with torch._C.DisableTorchFunction():  # (a tensor's properties are torch functions)
+            return (
+                x.dtype is self.state.dtype
+                and ((x.is_cpu and "cpu" in self.fused) or (x.is_cuda and "cuda" in self.fused))
+                and x.layout is torch.strided
+                and not x.is_nested
+                and not _outer_autocast()
+            )
 
     def _moded(self, frame: _Frame, on: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the module's own code with the conversion's :class:`MixedOperands` mode on

