@@ -196,6 +196,32 @@ def _cast_for(frame: _Frame, tensor: torch.Tensor, dtype: torch.dtype) -> torch.
     return low
 
 
+class _Spec(NamedTuple):
+    """What a compiled call of a :class:`ModuleCall` does."""
+
+    root: bool
+    cast: torch.dtype | None  # what floating arguments are cast to (None: as they come)
+    output: torch.dtype | None  # what floating outputs are cast to
+    fused: frozenset[str]  # an island's kernel takes a low input on these device types
+    float32: bool  # an outer torch.autocast is off inside
+    inner: bool  # the module had an instance forward of its own
+
+
+#: Every distinct spec, by number. Under ``torch.compile`` a call reads its module's one
+#: number and this table, a global TorchDynamo guards once for all modules, so a
+#: converted module adds one guard for its decisions, not one per decision.
+_SPECS: list[_Spec] = []
+_SPEC_CODES: dict[_Spec, int] = {}
+
+
+def _spec_code(spec: _Spec) -> int:
+    code = _SPEC_CODES.get(spec)
+    if code is None:
+        code = _SPEC_CODES[spec] = len(_SPECS)
+        _SPECS.append(spec)
+    return code
+
+
 class LowParameters(dict[str, Any]):
     """A module's ``_parameters`` that compute in low precision, but those ``kept``.
 
@@ -220,13 +246,15 @@ class LowParameters(dict[str, Any]):
 
     def __getitem__(self, name: str) -> Any:
         value = dict.__getitem__(self, name)
+        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+            if value is None or name in self.kept or not is_castable(value):
+                return value
+            return to_dtype(value, self.state.dtype)
         if value is None or name in self.kept:
             return value
-        if torch.compiler.is_compiling():
-            if torch.compiler.is_exporting():
-                frame = self.state.frame()
-                return value if frame is None else self.state.low(value, frame)
-            return value.to(self.state.dtype) if is_castable(value) else value
+        if torch.compiler.is_exporting():
+            frame = self.state.frame()
+            return value if frame is None else self.state.low(value, frame)
         frame = getattr(self.local, "frame", None)
         if frame is None or not frame.depth:
             return value
@@ -433,6 +461,65 @@ def _cast_top(value: Any, dtype: torch.dtype, casts: dict[int, torch.Tensor]) ->
     return value
 
 
+def _compiled_call(
+    call: ModuleCall, spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A :class:`ModuleCall` under ``torch.compile``: the casts inside the graph, no
+    thread-local state and no mode (weights are cast at each read, inside the graph)."""
+    if spec.root and spec.cast is not None:
+        dtype = spec.cast
+        args = tuple(_cast_top(v, dtype, {}) for v in args)
+        kwargs = {k: _cast_top(v, dtype, {}) for k, v in kwargs.items()}
+    elif spec.cast is not None and not (
+        spec.fused and _takes_low(args, kwargs, spec.fused, call.state.dtype)
+    ):
+        dtype = spec.cast
+        if kwargs or not all(isinstance(v, torch.Tensor) for v in args):
+            args, kwargs = cast_tree((args, kwargs), dtype)
+        else:  # (no tree walk: TorchDynamo would guard each step of it)
+            args = tuple(_cast_top(v, dtype, {}) for v in args)
+    if spec.float32 and _outer_autocast():
+        out = _without_autocast(call, spec, args, kwargs)
+    elif spec.inner:
+        out = call.inner(*args, **kwargs)  # type: ignore[misc]
+    else:
+        out = type(call.module).forward(call.module, *args, **kwargs)
+    return out if spec.output is None else cast_tree(out, spec.output)
+
+
+def _without_autocast(
+    call: ModuleCall, spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A float32 island's forward with every outer ``torch.autocast`` turned off."""
+    with contextlib.ExitStack() as stack:
+        for device in _AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        if spec.inner:
+            return call.inner(*args, **kwargs)  # type: ignore[misc]
+        return type(call.module).forward(call.module, *args, **kwargs)
+
+
+def _takes_low(
+    args: tuple[Any, ...], kwargs: dict[str, Any], fused: frozenset[str], dtype: torch.dtype
+) -> bool:
+    """Whether an island's kernel takes ``args`` as they are: one tensor of the low dtype
+    on a device type in ``fused`` (strided, not nested), with no outer autocast."""
+    if kwargs or len(args) != 1:
+        return False
+    x = args[0]
+    if not isinstance(x, torch.Tensor):
+        return False
+    with torch._C.DisableTorchFunction():  # (a tensor's properties are torch functions)
+        return (
+            x.dtype is dtype
+            and ((x.is_cpu and "cpu" in fused) or (x.is_cuda and "cuda" in fused))
+            and x.layout is torch.strided
+            and not x.is_nested
+            and not _outer_autocast()
+        )
+
+
 class ModuleCall:
     """The instance ``forward`` of every module of a conversion.
 
@@ -488,15 +575,29 @@ class ModuleCall:
         #: whether its floating buffers may meet low activations in its own code (a
         #: float32 island computes in float32; a norm's kernel takes float32 statistics)
         self.buffers_mix = not float32 and not isinstance(module, lists.FP32_STATE_MODULES)
+        #: the decisions a compiled call reads, as one number (see :func:`_compiled_call`)
+        self.code = _spec_code(self._spec())
+
+    def _spec(self) -> _Spec:
+        return _Spec(
+            root=self.root,
+            cast=self.input_dtype if self.root else self.dtype,
+            output=self.output_dtype,
+            fused=self.fused,
+            float32=self.float32,
+            inner=self.inner is not None,
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["local"]  # a thread-local cannot be copied: the copy's state has its own
+        del state["code"]  # (a number of this process's table)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.local = self.state._local
+        self.code = _spec_code(self._spec())
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -512,7 +613,9 @@ class ModuleCall:
         return code if isinstance(code, types.CodeType) else type(self).__call__.__code__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.nested and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+            return _compiled_call(self, _SPECS[self.code], args, kwargs)
+        if self.nested:
             frame = getattr(self.local, "frame", None)
             if frame is not None and frame.depth and not (self.float32 and _outer_autocast()):
                 # a submodule called by its parent: the hot path
@@ -549,21 +652,8 @@ class ModuleCall:
             return cast_tree(out, self.output_dtype)
 
     def _fused(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether this island's kernel takes ``args`` as they are (one low-precision
-        tensor on a device whose kernel computes in float32 from it)."""
-        if not self.fused or kwargs or len(args) != 1:
-            return False
-        x = args[0]
-        if not isinstance(x, torch.Tensor):
-            return False
-        with torch._C.DisableTorchFunction():  # (a tensor's properties are torch functions)
-            return (
-                x.dtype is self.state.dtype
-                and ((x.is_cpu and "cpu" in self.fused) or (x.is_cuda and "cuda" in self.fused))
-                and x.layout is torch.strided
-                and not x.is_nested
-                and not _outer_autocast()
-            )
+        """Whether this island's kernel takes ``args`` as they are."""
+        return bool(self.fused) and _takes_low(args, kwargs, self.fused, self.state.dtype)
 
     def _moded(self, frame: _Frame, on: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the module's own code with the conversion's :class:`MixedOperands` mode on

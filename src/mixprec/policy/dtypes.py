@@ -151,8 +151,14 @@ def to_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def is_castable(x: object) -> bool:
-    """True for tensors mixprec may cast: floating point, but never float64."""
-    return isinstance(x, torch.Tensor) and x.dtype in _CASTABLE
+    """True for tensors mixprec may cast: floating point, but never float64.
+
+    (Tested on the dtype's own flag rather than membership of :data:`_CASTABLE`, which
+    TorchDynamo would guard at every call site of a compiled model.)"""
+    if not isinstance(x, torch.Tensor):
+        return False
+    dtype = x.dtype
+    return dtype.is_floating_point and dtype is not torch.float64
 
 
 def dtype_name(dtype: torch.dtype | None) -> str:
