@@ -63,6 +63,14 @@ def _as_cast(cast: Cast | tuple[str, torch.dtype]) -> Cast:
     return Cast(*cast)
 
 
+def _joined(casts: tuple[Cast, ...]) -> str:
+    """Casts as table text, repeats counted (``float32 -> bfloat16 (x3)``)."""
+    counts: dict[str, int] = {}
+    for cast in casts:
+        counts[str(cast)] = counts.get(str(cast), 0) + 1
+    return ", ".join(text if n == 1 else f"{text} (x{n})" for text, n in counts.items()) or "-"
+
+
 @dataclass(frozen=True)
 class PlanRow:
     """One op or module of a converted model.
@@ -192,8 +200,8 @@ class CastPlan:
                 row.path or "(model)",
                 row.op,
                 row.dtype,
-                ", ".join(map(str, row.casts_before)) or "-",
-                ", ".join(map(str, row.casts_after)) or "-",
+                _joined(row.casts_before),
+                _joined(row.casts_after),
             )
             for row in self.rows
         ]
@@ -353,12 +361,18 @@ def _measured(
         torch.random.set_rng_state(rng)
     types = {name: type(module).__name__ for name, module in network.named_modules()}
     rows = tuple(
-        PlanRow.make(path, types.get(path, "module"), "measured", casts, kind=RowKind.MEASURED)
+        PlanRow.make(path, types.get(path, "module"), _target(casts), casts, kind=RowKind.MEASURED)
         for path, casts in found.items()
     )
     return dataclasses.replace(
         plan, rows=rows, assumption="the given example inputs, measured on fake tensors"
     )
+
+
+def _target(casts: list[Cast]) -> str:
+    """A measured row's "computes in": the one dtype its casts make (else "mixed")."""
+    targets = {cast.dtype for cast in casts}
+    return dtype_name(targets.pop()) if len(targets) == 1 else "mixed"
 
 
 def _with_fp8(plan: CastPlan, network: nn.Module) -> CastPlan:
