@@ -505,19 +505,20 @@ def _takes_low(
 ) -> bool:
     """Whether an island's kernel takes ``args`` as they are: one tensor of the low dtype
     on a device type in ``fused`` (strided, not nested), with no outer autocast."""
-    if kwargs or len(args) != 1:
-        return False
-    x = args[0]
-    if not isinstance(x, torch.Tensor):
+    if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
         return False
     with torch._C.DisableTorchFunction():  # (a tensor's properties are torch functions)
-        return (
-            x.dtype is dtype
-            and ((x.is_cpu and "cpu" in fused) or (x.is_cuda and "cuda" in fused))
-            and x.layout is torch.strided
-            and not x.is_nested
-            and not _outer_autocast()
-        )
+        return _is_low_on(args[0], fused, dtype) and not _outer_autocast()
+
+
+def _is_low_on(x: torch.Tensor, fused: frozenset[str], dtype: torch.dtype) -> bool:
+    """``x`` is a strided, non-nested tensor of ``dtype`` on a device type in ``fused``."""
+    return (
+        x.dtype is dtype
+        and ((x.is_cpu and "cpu" in fused) or (x.is_cuda and "cuda" in fused))
+        and x.layout is torch.strided
+        and not x.is_nested
+    )
 
 
 class ModuleCall:
@@ -639,14 +640,31 @@ class ModuleCall:
         return self._enter(args, kwargs)
 
     def _island(self, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """An island inside a running call: its inputs cast to its dtype (or, for a norm
-        whose kernel computes in float32 from a low input, taken as they are), its own
-        code run with no mode, its outputs cast back."""
-        fused = self._fused(args, kwargs)
-        if not fused:
-            args, kwargs = cast_args(args, kwargs, self.dtype)  # type: ignore[arg-type]
-        out = self._moded(frame, False, args, kwargs) if frame.active else self._plain(args, kwargs)
-        if fused or self.output_dtype is None:
+        """An island inside a running call (with no outer autocast, which the hot path
+        checked): its inputs cast to its dtype (or, for a norm whose kernel computes in
+        float32 from a low input, taken as they are), its own code run with no mode, its
+        outputs cast back."""
+        if frame.active:  # its caller runs under the mode: set it aside for the island
+            return self._moded(frame, False, args, kwargs, self._island_body)
+        return self._island_body(args, kwargs)
+
+    def _island_body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        fused = self.fused
+        if (
+            fused
+            and not kwargs
+            and len(args) == 1
+            and isinstance(args[0], torch.Tensor)
+            and _is_low_on(args[0], fused, self.state.dtype)
+        ):
+            # the kernel takes the low input as it is (an island is never recurrent:
+            # those take the full path)
+            if self.inner is not None:
+                return self.inner(*args)
+            return type(self.module).forward(self.module, *args)
+        args, kwargs = cast_args(args, kwargs, self.dtype)  # type: ignore[arg-type]
+        out = self._plain(args, kwargs)
+        if self.output_dtype is None:
             return out
         with torch._C.DisableTorchFunction():
             return cast_tree(out, self.output_dtype)
@@ -655,20 +673,29 @@ class ModuleCall:
         """Whether this island's kernel takes ``args`` as they are."""
         return bool(self.fused) and _takes_low(args, kwargs, self.fused, self.state.dtype)
 
-    def _moded(self, frame: _Frame, on: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run the module's own code with the conversion's :class:`MixedOperands` mode on
-        (``on``) or off, and put it back as it was."""
+    def _moded(
+        self,
+        frame: _Frame,
+        on: bool,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        run: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None,
+    ) -> Any:
+        """Run the module's own code (``run``, by default :meth:`_plain`) with the
+        conversion's :class:`MixedOperands` mode on (``on``) or off, and put it back as
+        it was."""
+        run = run or self._plain
         mode = frame.mode
         if not on:
             depth = torch._C._len_torch_function_stack()
             if not depth or torch._C._get_function_stack_at(depth - 1) is not mode:
-                return self._plain(args, kwargs)  # another mode above it: leave the stack be
+                return run(args, kwargs)  # another mode above it: leave the stack be
             torch._C._pop_torch_function_stack()
         else:
             torch._C._push_on_torch_function_stack(mode)
         frame.active = on
         try:
-            return self._plain(args, kwargs)
+            return run(args, kwargs)
         finally:
             if on:
                 torch._C._pop_torch_function_stack()
