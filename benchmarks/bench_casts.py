@@ -61,12 +61,13 @@ def main() -> None:
             for level in LEVELS:
                 converted = amp.auto_mixed_precision(model, level, dtype)
                 with torch.set_grad_enabled(grad):
-                    converted(x)  # a first call (fills the O2/O3 inference weight cache)
+                    converted(x)  # a first call (no cache: a second call casts as the first did)
                 out, casts = _run(converted, x, grad)
                 cells.append(f"{casts:>4d} ({rel_error(out.float(), reference):.1e})")
             print(f"{model_name:26s} " + "".join(f"{c:>16s}" for c in cells))
     print(
-        "\nWith gradients off, O2/O3 still cast their weights on every call (reuse_weight_casts opts in to a cache); torch.autocast's "
+        "\nWith gradients off, O2/O3 still cast their weights on every call (no cache across "
+        "calls: every write to a weight is what the next call computes with); torch.autocast's "
         "inference TransformerEncoderLayer takes PyTorch's fused fast path, which it does not cast "
         "(it runs in float32)."
     )

@@ -305,3 +305,44 @@ def test_a_fused_encoder_layer_with_islands_takes_its_standard_path(level: str) 
         expected = layer(x)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_converted_call_takes_the_frames_of_the_original(level: str) -> None:
+    """A converted module's call (no hooks) runs in as many Python frames as the original's:
+    a chain of nested modules runs as deep under a recursion limit; hooks added later, and a
+    ``forward`` the user sets later, still run."""
+    import sys
+
+    def chain(n: int) -> nn.Module:
+        return nn.Linear(2, 2) if n == 0 else nn.Sequential(chain(n - 1))
+
+    x = torch.randn(1, 2)
+
+    def deepest(make: Any) -> int:
+        ok = 0
+        for n in range(5, 120, 5):
+            try:
+                make(n)(x)
+            except RecursionError:
+                break
+            ok = n
+        return ok
+
+    limit = sys.getrecursionlimit()
+    try:
+        sys.setrecursionlimit(200)
+        ours = deepest(lambda n: amp.auto_mixed_precision(chain(n), level, torch.bfloat16))
+        theirs = deepest(chain)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert theirs > 0
+    assert ours >= theirs - 5  # (the root's entry adds a few frames once)
+    converted = amp.auto_mixed_precision(chain(3), level, torch.bfloat16)
+    inner = converted[0][0][0]
+    seen: list[torch.dtype] = []
+    inner.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    converted(x)
+    assert seen == [torch.bfloat16]
+    inner.forward = lambda t: t * 0  # the user's own forward, set on the instance
+    assert torch.equal(converted(x), torch.zeros(1, 2))

@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 
 from mixprec._warn import warn
@@ -413,6 +414,18 @@ def fused_island(module: nn.Module) -> frozenset[str]:
     return _FUSED_ISLANDS.get(type(module).forward, frozenset())
 
 
+def _global_hooks() -> bool:
+    """Whether any global module hook is registered, or a TorchScript trace is running
+    (``nn.Module._call_impl`` then runs the module's slow path)."""
+    return bool(
+        module_hooks._global_forward_pre_hooks
+        or module_hooks._global_forward_hooks
+        or module_hooks._global_backward_pre_hooks
+        or module_hooks._global_backward_hooks
+        or torch._C._get_tracing_state()
+    )
+
+
 def _outer_autocast() -> bool:
     """Whether a ``torch.autocast`` is on around the call (a float32 island turns it off)."""
     return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
@@ -613,7 +626,23 @@ class ModuleCall:
         code = getattr(self.inner or type(self.module).forward, "__code__", None)
         return code if isinstance(code, types.CodeType) else type(self).__call__.__code__
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
+        """The module's instance ``_call_impl`` (what ``nn.Module.__call__`` calls): with
+        no hooks on the module (nor global module hooks, nor a TorchScript trace running)
+        and this object still its ``forward``, it does the forward's work itself, one
+        Python frame where ``nn.Module`` takes two; otherwise ``nn.Module._call_impl``
+        runs the hooks around the module's ``forward``."""
+        if not _mixprec_hooked:
+            module = self.module
+            if (
+                module._forward_pre_hooks
+                or module._forward_hooks
+                or module._backward_pre_hooks
+                or module._backward_hooks
+                or _global_hooks()
+                or module.__dict__.get("forward") is not self  # (``module.forward = f``)
+            ):
+                return nn.Module._call_impl(module, *args, **kwargs)
         if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
             return _compiled_call(self, _SPECS[self.code], args, kwargs)
         if self.nested:
@@ -638,6 +667,11 @@ class ModuleCall:
                     return inner(*args, **kwargs)
                 return type(self.module).forward(self.module, *args, **kwargs)
         return self._enter(args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The instance ``forward`` (what ``nn.Module._call_impl`` calls after the hooks,
+        and what ``module.forward(...)`` calls)."""
+        return self.call_impl(*args, _mixprec_hooked=True, **kwargs)
 
     def _island(self, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """An island inside a running call (with no outer autocast, which the hot path

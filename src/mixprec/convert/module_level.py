@@ -34,6 +34,8 @@ of running it (the root's ``forward``, a submodule, another method such as
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -65,7 +67,7 @@ __all__ = ["ExtraRepr", "convert_module_level"]
 def _device_type(module: nn.Module, root: nn.Module) -> str:
     """The device type of ``module``'s state (of the model's, when it holds none)."""
     for owner in (module, root):
-        for tensor in (*owner.parameters(), *owner.buffers()):
+        for tensor in itertools.chain(owner.parameters(), owner.buffers()):
             return tensor.device.type
     return "cpu"
 

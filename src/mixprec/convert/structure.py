@@ -105,8 +105,19 @@ def add_repr_note(module: nn.Module, note: str) -> None:
 
 def set_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
     """Make ``forward`` the module's instance ``forward`` (it wraps whatever it read
-    from ``module.__dict__`` before)."""
+    from ``module.__dict__`` before).
+
+    A forward with a ``call_impl`` (a call of the module that, when it has no hooks, runs
+    the forward's work itself) also becomes the module's instance ``_call_impl``, which
+    ``nn.Module.__call__`` calls: a converted call then takes as many Python frames as the
+    original's. Any other forward set later removes it, so it never bypasses a wrapper.
+    """
     module.__dict__["forward"] = forward
+    fast = getattr(forward, "call_impl", None)
+    if fast is not None:
+        module.__dict__["_call_impl"] = fast
+    else:
+        module.__dict__.pop("_call_impl", None)
 
 
 def set_forward_hooks(module: nn.Module, hooks: dict[int, Any]) -> None:
