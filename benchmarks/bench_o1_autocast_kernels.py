@@ -80,7 +80,9 @@ def main() -> None:
         before[name] = time_rounds(calls, args.rounds, backward=False)
     library = install()
     print("host time per forward, ratio to torch.autocast with PyTorch's kernels")
-    print(f"{'model':8s} {'torch.autocast':>15s} {'O1 (mode)':>10s} {'candidate':>10s}  equal to O1")
+    print(
+        f"{'model':8s} {'torch.autocast':>15s} {'O1 (mode)':>10s} {'candidate':>10s}  equal to O1"
+    )
     for name, (model, inputs) in models.items():
         o1 = amp.auto_mixed_precision(model, "O1", torch.bfloat16)
 
