@@ -7,7 +7,10 @@ timed in interleaved rounds (one call of each per round, in turn) and reported a
 median, as a ratio to ``torch.autocast("cpu", torch.bfloat16)`` on the original model;
 "bf16 model" is the model with its parameters in bf16 and no autocast.
 
-Run: python benchmarks/bench_overhead.py [--quick] [--models gpt2,bert,t5,resnet]
+``--breakdown`` adds a diagnostic column, "O3 precast": O3 with its weights cast once up
+front (what O3 would cost if a weight's cast were free; forward only).
+
+Run: python benchmarks/bench_overhead.py [--quick] [--models gpt2,bert,t5,resnet] [--breakdown]
 """
 
 from __future__ import annotations
@@ -171,15 +174,49 @@ def time_rounds(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def precast(converted: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """A diagnostic column: ``converted`` (O2/O3) with its weights cast once up front and
+    read through the same bookkeeping per call (what O2/O3 would cost if a weight's cast
+    were free), by standing in for the weight-cast function during the call."""
+    from mixprec.convert import cast_at_use
+
+    made: dict[int, torch.Tensor] = {}
+    for module in converted.modules():
+        table = module.__dict__.get("_parameters")
+        if isinstance(table, cast_at_use.LowParameters):
+            for _, stored in table.stored():
+                made[id(stored)] = stored.detach().to(table.state.dtype)
+    real = cast_at_use._cast_for
+
+    def ready(frame: Any, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        low = made.get(id(tensor), tensor)
+        frame.casts[id(tensor)] = (tensor, low, low._version)
+        return low
+
+    def call() -> torch.Tensor:
+        cast_at_use._cast_for = ready  # type: ignore[assignment]
+        try:
+            return _call(converted, inputs)
+        finally:
+            cast_at_use._cast_for = real
+
+    return call
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
     parser.add_argument("--models", default="gpt2,bert,t5,resnet")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="add 'O3 precast': O3 with its weights cast once up front (forward only)",
+    )
     args = parser.parse_args()
     rounds = args.rounds or (5 if args.quick else 40)
     torch.set_num_threads(1)
-    names = ("torch.autocast", "bf16 model", *LEVELS)
+    names = ("torch.autocast", "bf16 model", *LEVELS, *(("O3 precast",) if args.breakdown else ()))
     print(f"host time per call, ratio to torch.autocast (median of {rounds} interleaved rounds)")
     print(
         f"{'model':8s} {'pass':8s} {'torch.autocast':>14s}"
@@ -188,7 +225,13 @@ def main() -> None:
     for model_name in args.models.split(","):
         model, inputs = build(model_name)
         calls = callers(model, inputs)
+        if args.breakdown:
+            calls["O3 precast"] = precast(
+                amp.auto_mixed_precision(model, "O3", torch.bfloat16), inputs
+            )
         for backward in (False, True):
+            if backward and args.breakdown:
+                continue  # (the up-front casts carry no graph back to the weights)
             med = time_rounds(calls, rounds, backward)
             base = med["torch.autocast"]
             row = f"{model_name:8s} {'fwd+bwd' if backward else 'fwd':8s} {base * 1e3:11.2f} ms"
