@@ -307,7 +307,7 @@ def test_a_fused_encoder_layer_with_islands_takes_its_standard_path(level: str) 
     torch.testing.assert_close(out, expected, rtol=0.05, atol=0.05)
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", ["O1", "autocast", "O2", "O3"])
 def test_a_converted_call_takes_the_frames_of_the_original(level: str) -> None:
     """A converted module's call (no hooks) runs in as many Python frames as the original's:
     a chain of nested modules runs as deep under a recursion limit; hooks added later, and a

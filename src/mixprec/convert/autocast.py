@@ -71,6 +71,7 @@ from mixprec.convert.structure import (
     set_forward,
     set_forward_hooks,
     structural_copy,
+    takes_hook_path,
 )
 from mixprec.policy import lists
 from mixprec.policy.dtypes import dtype_name, is_castable
@@ -131,7 +132,9 @@ class AutocastForward(ForwardBase):
         self.may_get_nested = under_fast_path  # only a fast path makes nested tensors
         self.warned = False
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
+        if not _mixprec_hooked and takes_hook_path(self.module, self):
+            return nn.Module._call_impl(self.module, *args, **kwargs)
         device = self.device_type
         if self.as_written or (self.may_get_nested and any_nested(args, kwargs)):
             with torch.autocast(device, enabled=False):
@@ -161,7 +164,9 @@ class Fp32Forward(ForwardBase):
         self.module = module
         self.device_type = device_type
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
+        if not _mixprec_hooked and takes_hook_path(self.module, self):
+            return nn.Module._call_impl(self.module, *args, **kwargs)
         args, kwargs = _cast_floating((args, kwargs), torch.float32)
         with standing_aside(), torch.autocast(self.device_type, enabled=False):
             return type(self.module).forward(self.module, *args, **kwargs)
@@ -253,7 +258,9 @@ class ListedForward(ForwardBase):
         self.as_written = isinstance(module, FAST_PATH_MODULES)
         self.may_get_nested = under_fast_path  # only a fast path makes nested tensors
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
+        if not _mixprec_hooked and takes_hook_path(self.module, self):
+            return nn.Module._call_impl(self.module, *args, **kwargs)
         local = self.region.local
         if self.as_written or (self.may_get_nested and any_nested(args, kwargs)):
             depth, local.depth = getattr(local, "depth", 0), 0  # children enter afresh
@@ -304,7 +311,9 @@ class WhiteForward(ForwardBase):
         self.inner = inner
         self.inputs_low = inputs_low
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
+        if not _mixprec_hooked and takes_hook_path(self.module, self):
+            return nn.Module._call_impl(self.module, *args, **kwargs)
         local = self.region.local
         running = local.mode
         if getattr(local, "depth", 0) and running is not None:  # inside the model

@@ -47,10 +47,10 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 
 from mixprec._warn import warn
+from mixprec.convert.structure import takes_hook_path
 from mixprec.policy import lists
 from mixprec.policy.dtypes import _CASTABLE, is_castable, to_dtype
 from mixprec.policy.ops import cast_tree, only_plain_tensors, op_name
@@ -414,18 +414,6 @@ def fused_island(module: nn.Module) -> frozenset[str]:
     return _FUSED_ISLANDS.get(type(module).forward, frozenset())
 
 
-def _global_hooks() -> bool:
-    """Whether any global module hook is registered, or a TorchScript trace is running
-    (``nn.Module._call_impl`` then runs the module's slow path)."""
-    return bool(
-        module_hooks._global_forward_pre_hooks
-        or module_hooks._global_forward_hooks
-        or module_hooks._global_backward_pre_hooks
-        or module_hooks._global_backward_hooks
-        or torch._C._get_tracing_state()
-    )
-
-
 def _outer_autocast() -> bool:
     """Whether a ``torch.autocast`` is on around the call (a float32 island turns it off)."""
     return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
@@ -632,17 +620,8 @@ class ModuleCall:
         and this object still its ``forward``, it does the forward's work itself, one
         Python frame where ``nn.Module`` takes two; otherwise ``nn.Module._call_impl``
         runs the hooks around the module's ``forward``."""
-        if not _mixprec_hooked:
-            module = self.module
-            if (
-                module._forward_pre_hooks
-                or module._forward_hooks
-                or module._backward_pre_hooks
-                or module._backward_hooks
-                or _global_hooks()
-                or module.__dict__.get("forward") is not self  # (``module.forward = f``)
-            ):
-                return nn.Module._call_impl(module, *args, **kwargs)
+        if not _mixprec_hooked and takes_hook_path(self.module, self):
+            return nn.Module._call_impl(self.module, *args, **kwargs)
         if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
             return _compiled_call(self, _SPECS[self.code], args, kwargs)
         if self.nested:

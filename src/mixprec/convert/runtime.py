@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, get_overridable_functions
 
+from mixprec.convert.structure import takes_hook_path
 from mixprec.policy.dtypes import is_castable
 from mixprec.policy.levels import Level, Precision, Recipe
 from mixprec.policy.ops import cast_tree, only_plain_tensors, op_key, op_name, widest_dtype
@@ -232,6 +233,18 @@ class ForwardBase:
         code = getattr(type(self.module).forward, "__code__", None)
         return code if isinstance(code, types.CodeType) else type(self).__call__.__code__
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The instance ``forward`` (what ``nn.Module._call_impl`` calls after the hooks,
+        and what ``module.forward(...)`` calls)."""
+        return self.call_impl(*args, _mixprec_hooked=True, **kwargs)
+
+    def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
+        """The module's instance ``_call_impl`` (what ``nn.Module.__call__`` calls): with
+        no hooks it does the forward's work itself, as many Python frames as the
+        original's call; with hooks ``nn.Module._call_impl`` runs them around
+        :meth:`__call__`. Each converted forward's work is here."""
+        raise NotImplementedError
+
 
 class RuntimeForward(ForwardBase):
     """The ``forward`` of a module whose own code runs at run time under the lists."""
@@ -263,7 +276,9 @@ class RuntimeForward(ForwardBase):
         self.__dict__.update(state)
         self.table, self.default = decision_table(self.recipe, self.scopes, self.force)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
+        if not _mixprec_hooked and takes_hook_path(self.module, self):
+            return nn.Module._call_impl(self.module, *args, **kwargs)
         if any_nested(args, kwargs):  # only a built-in fast path makes these: run as written
             with standing_aside():
                 return type(self.module).forward(self.module, *args, **kwargs)

@@ -17,7 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
 __all__ = [
     "CONVERSION_ATTR",
@@ -118,6 +120,24 @@ def set_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
         module.__dict__["_call_impl"] = fast
     else:
         module.__dict__.pop("_call_impl", None)
+
+
+def takes_hook_path(module: nn.Module, forward: object) -> bool:
+    """Whether a call of ``module`` (converted, its ``forward`` the object ``forward``)
+    must go through ``nn.Module._call_impl``: hooks on it, global module hooks, a
+    TorchScript trace running, or a ``forward`` set on it since (which then runs)."""
+    return bool(
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or module._backward_pre_hooks
+        or module._backward_hooks
+        or module_hooks._global_forward_pre_hooks
+        or module_hooks._global_forward_hooks
+        or module_hooks._global_backward_pre_hooks
+        or module_hooks._global_backward_hooks
+        or torch._C._get_tracing_state()
+        or module.__dict__.get("forward") is not forward
+    )
 
 
 def set_forward_hooks(module: nn.Module, hooks: dict[int, Any]) -> None:
