@@ -189,3 +189,34 @@ def test_bench_on_cuda(tmp_path: Path) -> None:
     assert data["settings"]["device"] == "cuda"
     variants = {r["variant"] for r in data["results"]}
     assert {"fp32", "torch.autocast", "mixprec O2"} <= variants
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: nn.BatchNorm2d(6), lambda: nn.LayerNorm(6), lambda: nn.GroupNorm(2, 6)],
+    ids=["batch_norm", "layer_norm", "group_norm"],
+)
+def test_o2_norm_islands_on_cuda_compute_in_float32(
+    make: Callable[[], nn.Module], train: bool
+) -> None:
+    """O2's norms on CUDA: BatchNorm takes its fp16 input in one kernel (float32 math, no
+    cast), LayerNorm and GroupNorm cast (CUDA's kernels take one dtype); each agrees with
+    casting the input up, computing in float32 and casting the output back."""
+    from mixprec.inspect import CastCounter
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Identity(), make()).cuda().train(train)
+    reference = make().cuda().train(train)
+    reference.load_state_dict(model[1].state_dict())
+    converted = amp.auto_mixed_precision(model, "O2", LOW)
+    x = torch.randn(2, 6, 3, 3, device="cuda") * 3 + 1
+    if isinstance(model[1], nn.LayerNorm):
+        x = x.permute(0, 2, 3, 1)  # the normalized dimension last
+    with CastCounter() as counter:
+        out = converted(x)
+    expected = reference(x.to(LOW).float()).to(LOW).float()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
+    island_casts = 0 if isinstance(model[1], nn.BatchNorm2d) else 2
+    assert counter.total == 2 + island_casts  # the root's input and output, the island's
