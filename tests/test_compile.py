@@ -89,3 +89,23 @@ def test_more_converted_models_than_the_recompile_limit_all_compile(level: str) 
         converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
         torch.compile(converted, backend="eager")(x)
     assert counters["frames"]["ok"] == counters["frames"]["total"]
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_compiled_recurrent_layer_leaves_the_shared_module_as_it_was(level: str) -> None:
+    """Compiled, a recurrent layer runs on a per-call view whose flat weights are the casts,
+    as in eager: the module's own flat weights stay its float32 Parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LSTM(4, 4, batch_first=True))
+    converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+    x = torch.randn(2, 3, 4)
+    expected = converted(x)[0]
+    compiled = torch.compile(converted, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = compiled(x)[0]
+    torch.testing.assert_close(out, expected, rtol=0.02, atol=0.02)
+    assert {w.dtype for w in converted[1]._flat_weights} == {torch.float32}
+    assert all(
+        w is p for w, p in zip(converted[1]._flat_weights, model[1]._flat_weights, strict=True)
+    )

@@ -206,6 +206,7 @@ class _Spec(NamedTuple):
     fused: frozenset[str]  # an island's kernel takes a low input on these device types
     float32: bool  # an outer torch.autocast is off inside
     inner: bool  # the module had an instance forward of its own
+    view: bool  # a recurrent layer: it runs on a per-call view (:meth:`ModuleCall._plain`)
 
 
 #: Every distinct spec, by number. Under ``torch.compile`` a call reads its module's one
@@ -483,6 +484,8 @@ def _compiled_call(
         out = _without_autocast(call, spec, args, kwargs)
     elif spec.inner:
         out = call.inner(*args, **kwargs)  # type: ignore[misc]
+    elif spec.view:  # (its flat weights are set on a view, never on the shared module)
+        out = call._plain(args, kwargs)
     else:
         out = type(call.module).forward(call.module, *args, **kwargs)
     return out if spec.output is None else cast_tree(out, spec.output)
@@ -496,9 +499,7 @@ def _without_autocast(
         for device in _AUTOCAST_DEVICES:
             if torch.is_autocast_enabled(device):
                 stack.enter_context(torch.autocast(device, enabled=False))
-        if spec.inner:
-            return call.inner(*args, **kwargs)  # type: ignore[misc]
-        return type(call.module).forward(call.module, *args, **kwargs)
+        return call._plain(args, kwargs)
 
 
 def _takes_low(
@@ -588,6 +589,7 @@ class ModuleCall:
             fused=self.fused,
             float32=self.float32,
             inner=self.inner is not None,
+            view=self.special,
         )
 
     def __getstate__(self) -> dict[str, Any]:
