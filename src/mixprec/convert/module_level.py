@@ -19,7 +19,7 @@ of running it (the root's ``forward``, a submodule, another method such as
    parametrizations, whose math runs on the float32 original) cast their inputs up and
    their outputs back down in their ``ModuleCall`` (their hooks see what their caller
    passed, as a layer's do); a norm whose kernel computes in float32 from a low input
-   (:func:`~.cast_at_use.fused_island`) takes it as it is, the same bits with no cast
+   (:func:`~.cast_at_use.fused_island`) takes it as it is, the same values (within one rounding) with no cast
    kernels; batch and instance norms that compute in low precision (O3) keep float32
    weights and running statistics, which their kernels take with a low-precision input;
 4. every low-precision module with weights casts its floating inputs down in its
