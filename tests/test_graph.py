@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec as amp
 from helpers import MLP, ConvBranch, SmallCNN, TinyTransformer, count_casts, rel_error
@@ -56,21 +57,21 @@ def test_o1_white_ops_compute_low_and_the_rest_fp32() -> None:
     converted = amp.auto_mixed_precision(model, "O1", "bf16")
     dtypes: dict[str, torch.dtype] = {}
 
-    class Watch(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    class Watch(TorchDispatchMode):  # what each kernel computes in (below any cast back)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             out = func(*args, **(kwargs or {}))
-            name = getattr(func, "__name__", "")
-            if name in ("linear", "layer_norm", "matmul", "exp") and isinstance(out, torch.Tensor):
-                dtypes[name] = out.dtype
+            name = func.overloadpacket.__name__
+            if name in ("addmm", "native_layer_norm", "mm", "exp"):
+                dtypes[name] = (out[0] if isinstance(out, tuple) else out).dtype
             return out
 
     with Watch():
         out = converted(torch.randn(2, 4))
     seen.update(dtypes)
     assert seen == {
-        "linear": torch.bfloat16,
-        "layer_norm": torch.float32,
-        "matmul": torch.bfloat16,
+        "addmm": torch.bfloat16,  # fc
+        "native_layer_norm": torch.float32,
+        "mm": torch.bfloat16,  # torch.matmul
         "exp": torch.float32,
     }
     assert out.dtype == torch.float32

@@ -55,6 +55,7 @@ from torch import nn
 from torch.nn.modules.module import _global_forward_hooks
 
 from mixprec._warn import warn
+from mixprec.convert import dispatch
 from mixprec.convert.plan import CastPlan, Conversion, PlanRow, RowKind
 from mixprec.convert.runtime import (
     ForwardBase,
@@ -76,6 +77,7 @@ from mixprec.convert.structure import (
 from mixprec.policy import lists
 from mixprec.policy.dtypes import dtype_name, is_castable
 from mixprec.policy.levels import Level, Precision, Recipe
+from mixprec.policy.ops import only_plain_tensors
 
 __all__ = [
     "AutocastForward",
@@ -190,6 +192,10 @@ class Region:
         self.recipe = recipe
         self.table, self.default = decision_table(recipe, ())
         self.local = _RegionLocal()
+        #: the white list's op names, and whether kernels at the dispatcher apply it
+        #: (:mod:`mixprec.convert.dispatch`) rather than the mode
+        self.names = frozenset(op for op in recipe.low_ops if isinstance(op, str))
+        self.kernels = dispatch.supports(self.names)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"recipe": self.recipe}  # torch functions and thread state do not pickle
@@ -198,7 +204,17 @@ class Region:
         self.__init__(state["recipe"])  # type: ignore[misc]
 
     def mode(self) -> RuntimeListMode:
-        return RuntimeListMode(self.table, self.default, self.recipe.dtype, back=True)
+        """A call's state: its decisions and its casts (each value once per call)."""
+        return RuntimeListMode(
+            self.table, self.default, self.recipe.dtype, back=True, names=self.names
+        )
+
+    def applying(self, mode: RuntimeListMode) -> Any:
+        """The context a call runs in under ``mode``: the white list's kernels (eager), or
+        the mode itself (under ``torch.compile``, or a list with no kernels)."""
+        if self.kernels and not torch.compiler.is_compiling():
+            return dispatch.ListRegion(mode)
+        return mode
 
 
 def _needs_up(leaf: Any) -> bool:
@@ -275,7 +291,7 @@ class ListedForward(ForwardBase):
             args, kwargs = _cast_call(args, kwargs, torch.float32, _needs_up)
         local.depth, local.mode = 1, self.region.mode()
         try:
-            with local.mode:
+            with self.region.applying(local.mode):
                 out = type(self.module).forward(self.module, *args, **kwargs)
         finally:
             local.depth, local.mode = 0, None
@@ -310,6 +326,8 @@ class WhiteForward(ForwardBase):
         self.region = region
         self.inner = inner
         self.inputs_low = inputs_low
+        #: a built-in layer whose one call is made here, without its operator's kernel
+        self.direct = _direct_kind(module) if inner is None and not inputs_low else None
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
         if not _mixprec_hooked and takes_hook_path(self.module, self):
@@ -321,7 +339,7 @@ class WhiteForward(ForwardBase):
         mode = self.region.mode()
         local.depth, local.mode = 1, mode
         try:
-            with mode:
+            with self.region.applying(mode):
                 return self._finish(mode, self._run(mode, args, kwargs))
         finally:
             local.depth, local.mode = 0, None
@@ -344,11 +362,39 @@ class WhiteForward(ForwardBase):
 
             args, kwargs = tuple(map(down, args)), {k: down(v) for k, v in kwargs.items()}
             return type(self.module).forward(self.module, *args, **kwargs)
+        if self.direct is not None and not kwargs and len(args) == 1:
+            out = self._direct(mode, args[0])
+            if out is not NotImplemented:
+                return out
         mode.back = False  # the layer's one white-list call keeps its result low
         try:
             return type(self.module).forward(self.module, *args, **kwargs)
         finally:
             mode.back = True
+
+    def _direct(self, mode: RuntimeListMode, x: Any) -> Any:
+        """The layer's one call (``F.linear``, a convolution), its operands cast down
+        here as its operator's kernel would cast them, with no kernel: the same casts, the
+        same result (low), one Python call fewer. NotImplemented where the kernel decides
+        (under ``torch.compile``, a tensor subclass, a padding mode of its own)."""
+        module: Any = self.module
+        weight, bias = module.weight, module.bias
+        if (
+            not self.region.kernels
+            or not isinstance(x, torch.Tensor)
+            or torch.compiler.is_compiling()
+            or not only_plain_tensors((x, weight, bias), {})
+            or (self.direct == "conv" and module.padding_mode != "zeros")
+        ):
+            return NotImplemented
+        dtype = mode.dtype
+        with dispatch.aside():
+            x, weight = mode.cast_value(x, dtype), mode.cast_value(weight, dtype)
+            if bias is not None:
+                bias = mode.cast_value(bias, dtype)
+            if self.direct == "linear":
+                return F.linear(x, weight, bias)
+            return module._conv_forward(x, weight, bias)
 
 
 class CastBackLast(collections.OrderedDict):
@@ -386,6 +432,17 @@ _ONE_CALL_LAYERS: tuple[tuple[type[nn.Module], Callable[..., Any]], ...] = (
     (nn.ConvTranspose2d, F.conv_transpose2d),
     (nn.ConvTranspose3d, F.conv_transpose3d),
 )
+
+
+def _direct_kind(module: nn.Module) -> str | None:
+    """``"linear"`` for an ``nn.Linear``, ``"conv"`` for an ``nn.Conv1d/2d/3d``, running
+    their class's own forward (their one call :meth:`WhiteForward._direct` makes)."""
+    if type(module).forward is nn.Linear.forward and isinstance(module, nn.Linear):
+        return "linear"
+    for cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+        if isinstance(module, cls) and type(module).forward is cls.forward:
+            return "conv"
+    return None
 
 
 class O1Kind(enum.Enum):

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, get_overridable_functions
 
+from mixprec.convert import dispatch
 from mixprec.convert.structure import takes_hook_path
-from mixprec.policy.dtypes import is_castable
+from mixprec.policy.dtypes import is_castable, to_dtype
 from mixprec.policy.levels import Level, Precision, Recipe
 from mixprec.policy.ops import cast_tree, only_plain_tensors, op_key, op_name, widest_dtype
 
@@ -115,7 +116,12 @@ class RuntimeListMode(TorchFunctionMode):
     """Applies a decision table to each torch function call made while it is active."""
 
     def __init__(
-        self, table: dict[Any, Precision], default: Precision, dtype: torch.dtype, back: bool
+        self,
+        table: dict[Any, Precision],
+        default: Precision,
+        dtype: torch.dtype,
+        back: bool,
+        names: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__()
         self.table = table
@@ -123,13 +129,16 @@ class RuntimeListMode(TorchFunctionMode):
         self.dtype = dtype
         self.back = back  # O1: a low op's result goes back to float32
         self.suspended = 0
+        #: the white list's ATen names, when its kernels apply it (:mod:`.dispatch`)
+        self.names = names
         # one cast per value and dtype in this call: id -> (source, version, dtype, cast)
         self.memo: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int, torch.Tensor]] = {}
 
-    def _cast_one(self, leaf: Any, dtype: torch.dtype) -> Any:
+    def cast_operand(self, leaf: Any, dtype: torch.dtype) -> Any:
+        """One operand of a low op: a floating tensor (or each in a TensorList) cast."""
         if not isinstance(leaf, torch.Tensor):
-            if isinstance(leaf, (list, tuple)) and leaf:  # a TensorList (einsum, RNN weights)
-                return type(leaf)(self._cast_one(item, dtype) for item in leaf)
+            if isinstance(leaf, (list, tuple)) and leaf and isinstance(leaf[0], torch.Tensor):
+                return type(leaf)(self.cast_operand(item, dtype) for item in leaf)  # einsum
             return leaf
         return self.cast_value(leaf, dtype)
 
@@ -143,7 +152,7 @@ class RuntimeListMode(TorchFunctionMode):
         hit = self.memo.get(key)
         if hit is not None and hit[0] is leaf and hit[1] == leaf._version:
             return hit[2]
-        cast = leaf.to(dtype)
+        cast = to_dtype(leaf, dtype)
         self.memo[key] = (leaf, leaf._version, cast)
         return cast
 
@@ -154,7 +163,7 @@ class RuntimeListMode(TorchFunctionMode):
             return cast_tree(out, torch.float32)
         if out.dtype != self.dtype:
             return out
-        up = out.to(torch.float32)
+        up = out.float()
         if not torch.compiler.is_compiling():
             self.memo[(id(up), self.dtype)] = (up, up._version, out)
         return up
@@ -182,9 +191,9 @@ class RuntimeListMode(TorchFunctionMode):
         else:
             dtype = widest_dtype(args, kwargs)
         if dtype is not None:
-            args = tuple([self._cast_one(a, dtype) for a in args])
+            args = tuple([self.cast_operand(a, dtype) for a in args])
             if kwargs:
-                kwargs = {k: self._cast_one(v, dtype) for k, v in kwargs.items()}
+                kwargs = {k: self.cast_operand(v, dtype) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
         if precision is Precision.LOW and self.back:
             return self.cast_back(out)
@@ -193,20 +202,27 @@ class RuntimeListMode(TorchFunctionMode):
 
 @contextlib.contextmanager
 def standing_aside() -> Iterator[None]:
-    """Make every active :class:`RuntimeListMode` of this thread ignore ops inside the
-    block (a converted child runs there, with its own casts); undone even on error."""
-    if not torch._C._len_torch_function_stack():
-        yield
-        return
-    modes = [
-        m
-        for m in torch.overrides._get_current_function_mode_stack()
-        if isinstance(m, RuntimeListMode)
-    ]
+    """Make every active :class:`RuntimeListMode` of this thread, and O1's kernels
+    (:mod:`mixprec.convert.dispatch`), ignore ops inside the block (a converted child runs
+    there, with its own casts); undone even on error."""
+    kernels = dispatch.aside()
+    modes = (
+        [
+            m
+            for m in torch.overrides._get_current_function_mode_stack()
+            if isinstance(m, RuntimeListMode)
+        ]
+        if torch._C._len_torch_function_stack()
+        else []
+    )
     for mode in modes:
         mode.suspended += 1
     try:
-        yield
+        if kernels is None:
+            yield
+        else:
+            with kernels:
+                yield
     finally:
         for mode in modes:
             mode.suspended -= 1

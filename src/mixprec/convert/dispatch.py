@@ -1,0 +1,175 @@
+"""O1's white list applied at PyTorch's dispatcher: a kernel per listed operator only.
+
+O1 decides one thing per op: a white-list op computes in the low dtype and returns float32;
+every other op follows its inputs. A ``TorchFunctionMode`` makes that decision in Python
+for every call (each op, tensor method and property), most of which need nothing. Here the
+decision is made where ``torch.autocast`` makes its own: one dispatch key, whose kernels
+are registered (``torch.library``) for the listed ATen operators only and which falls
+through for every other operator, in C++. The key is in effect only inside a converted
+model's call, in the thread that runs it (the dispatcher's thread-local include set), so
+nothing else in the process ever reaches the kernels.
+
+The key is one of ``torch.autocast``'s keys that belongs to a backend this process does
+not have (Graphcore IPU, else Habana HPU): it sits above autograd (the casts a kernel makes
+are recorded for backward, as autocast's are) and above ``AutocastCPU``/``AutocastCUDA``.
+A key some library has registered kernels for, or an op no ATen operator stands for (a
+Python-level function on a user's white list), makes :func:`supports` answer False, and
+that conversion runs under the mode (:class:`~mixprec.convert.runtime.RuntimeListMode`),
+as a call under ``torch.compile`` does (TorchDynamo traces modes, not dispatch keys).
+
+The decision is made at ATen's operator level, as ``torch.autocast`` makes it: an
+operator PyTorch implements by calling a listed one (``tensordot`` and ``cdist`` call
+``mm``) computes that part in the low dtype.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mixprec.policy.ops import only_plain_tensors
+
+if TYPE_CHECKING:
+    from mixprec.convert.runtime import RuntimeListMode
+
+__all__ = ["ListRegion", "aside", "supports"]
+
+#: Autocast keys of backends PyTorch builds no kernels for, in order of preference.
+_CANDIDATE_KEYS = ("AutocastIPU", "AutocastHPU")
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.state: RuntimeListMode | None = None
+
+
+_LOCAL = _Local()
+
+
+def _free(key_name: str) -> bool:
+    """No kernel of anyone's is registered at this key for the ops that matter here."""
+    return not any(
+        torch._C._dispatch_has_kernel_for_dispatch_key(name, key_name)
+        for name in ("aten::linear", "aten::mm", "aten::matmul", "aten::conv2d", "aten::add.Tensor")
+    )
+
+
+class _Kernels:
+    """The process's registrations: the key, its fallthrough, a kernel per listed op."""
+
+    def __init__(self) -> None:
+        self.key_name = next((k for k in _CANDIDATE_KEYS if hasattr(torch._C.DispatchKey, k)), "")
+        self.usable = bool(self.key_name) and _free(self.key_name)
+        self.names: set[str] = set()
+        self.refused: set[str] = set()
+        self.lock = threading.Lock()
+        if not self.usable:
+            return
+        self.key = getattr(torch._C.DispatchKey, self.key_name)
+        self.keyset = torch._C.DispatchKeySet(self.key)
+        self._fallthrough = torch.library.Library("_", "IMPL")
+        self._fallthrough.fallback(torch.library.fallthrough_kernel, self.key_name)
+        self._library = torch.library.Library("aten", "IMPL")
+
+    def register(self, name: str) -> bool:
+        """A kernel for every overload of ``aten::<name>`` (not the ``out=`` forms)."""
+        if name in self.names:
+            return True
+        if name in self.refused:
+            return False
+        with self.lock:
+            packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
+            if packet is None or not isinstance(packet, torch._ops.OpOverloadPacket):
+                self.refused.add(name)
+                return False
+            for overload in packet.overloads():
+                if "out" in overload:
+                    continue
+                op = getattr(packet, overload)
+                qualified = name if overload == "default" else f"{name}.{overload}"
+                self._library.impl(qualified, _kernel(op, name, self.keyset), self.key_name)
+            self.names.add(name)
+        return True
+
+
+_KERNELS: _Kernels | None = None
+
+
+def _kernels() -> _Kernels:
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = _Kernels()
+    return _KERNELS
+
+
+def supports(names: Iterable[Any]) -> bool:
+    """Whether every op key in ``names`` (a recipe's white list) runs as a kernel here
+    (registering the kernels the first time)."""
+    kernels = _kernels()
+    if not kernels.usable:
+        return False
+    return all(isinstance(name, str) and kernels.register(name) for name in names)
+
+
+def _kernel(op: Any, name: str, keyset: Any) -> Callable[..., Any]:
+    """The kernel of ``op`` (``aten::<name>``): in the running call's state's list, its
+    floating operands cast down (each value once per call), its result cast back."""
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        state = _LOCAL.state
+        with torch._C._ExcludeDispatchKeyGuard(keyset):
+            if (
+                state is None
+                or state.suspended
+                or name not in state.names
+                or not only_plain_tensors(args, kwargs)
+            ):
+                return op(*args, **kwargs)
+            dtype = state.dtype
+            args = tuple([state.cast_operand(a, dtype) for a in args])
+            if kwargs:
+                kwargs = {k: state.cast_operand(v, dtype) for k, v in kwargs.items()}
+            out = op(*args, **kwargs)
+            return state.cast_back(out) if state.back else out
+
+    return kernel
+
+
+class ListRegion:
+    """Inside: this thread's ops run under ``state``'s white list (the listed ops' kernels
+    read it); the state and the dispatcher's thread-local sets are put back on exit."""
+
+    __slots__ = ("_guards", "_saved", "state")
+
+    def __init__(self, state: RuntimeListMode) -> None:
+        self.state = state
+
+    def __enter__(self) -> RuntimeListMode:
+        kernels = _kernels()
+        self._saved = _LOCAL.state
+        _LOCAL.state = self.state
+        self._guards = (
+            torch._C._IncludeDispatchKeyGuard(kernels.key),
+            torch._C._SetExcludeDispatchKeyGuard(kernels.key, False),
+        )
+        for guard in self._guards:
+            guard.__enter__()
+        return self.state
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            for guard in reversed(self._guards):
+                guard.__exit__(None, None, None)
+        finally:
+            _LOCAL.state = self._saved
+
+
+def aside() -> Any:
+    """A context inside which no listed op's kernel runs (a converted child with casts of
+    its own runs there); None when the kernels were never registered."""
+    if _KERNELS is None or not _KERNELS.usable:
+        return None
+    return torch._C._ExcludeDispatchKeyGuard(_KERNELS.keyset)
