@@ -1,0 +1,224 @@
+"""O1's white list applied by kernels at PyTorch's dispatcher: only the listed operators pay
+a Python call, the kernels act only inside a converted call in its own thread, and they
+compute what the torch-function mode (the path under ``torch.compile``) computes."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mixprec as amp
+from helpers import SmallCNN, TinyTransformer, count_casts
+from mixprec.convert import dispatch
+from mixprec.convert.autocast import ListedForward, Region, WhiteForward
+
+BF16 = torch.bfloat16
+
+
+def _region(converted: nn.Module) -> Region:
+    for module in converted.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, (ListedForward, WhiteForward)):
+            return forward.region
+    raise AssertionError("not an O1 conversion")
+
+
+class Computes(TorchDispatchMode):
+    """The dtype each ATen operator (by name) computes its result in."""
+
+    def __init__(self, *names: str) -> None:
+        super().__init__()
+        self.names = names
+        self.seen: dict[str, list[torch.dtype]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in self.names:
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            self.seen.setdefault(name, []).append(first.dtype)
+        return out
+
+
+class Ops(nn.Module):
+    """Every kind of white-list call O1 meets: functional, method, operator, TensorList,
+    a tied weight, a shared layer called twice, an in-place op and a follow op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.conv = nn.Conv1d(2, 2, 3, padding=1)
+        self.up = nn.ConvTranspose1d(2, 2, 3, padding=1)
+        self.prelu = nn.PReLU()
+        self.scale = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(self.fc(x)).relu()
+        y = y @ self.scale + torch.matmul(x, self.scale.t())
+        y = torch.einsum("bi,ij->bj", y, self.scale) + torch.addmm(y, x, self.scale)
+        z = self.up(self.conv(y.view(-1, 2, 4))).flatten(1)
+        att = F.scaled_dot_product_attention(z[None], y[None], x[None])[0]
+        b = torch.baddbmm(att[None], z[None], self.scale[None])
+        out = self.prelu(b[0]).softmax(-1) + F.relu(z, inplace=True)
+        return out.exp().sum(-1)
+
+
+MODELS = {
+    "ops": (Ops, lambda: (torch.randn(4, 8),)),
+    "cnn": (SmallCNN, lambda: (torch.randn(2, 3, 8, 8),)),
+    "transformer": (TinyTransformer, lambda: (torch.randint(0, 50, (2, 6)),)),
+}
+
+
+def test_o1_applies_its_list_by_kernels_and_leaves_other_ops_to_pytorch() -> None:
+    seen: list[int] = []
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch._C._len_torch_function_stack())  # no mode sees this module's ops
+            return x.sin()
+
+    model = nn.Sequential(nn.Linear(4, 4), Probe(), nn.Linear(4, 4))
+    converted = amp.auto_mixed_precision(model, "O1", "bf16")
+    assert _region(converted).kernels
+    with Computes("addmm", "sin") as computes:
+        out = converted(torch.randn(2, 4))
+    assert seen == [0]
+    assert computes.seen == {"addmm": [BF16, BF16], "sin": [torch.float32]}
+    assert out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_kernels_compute_what_the_mode_computes(name: str) -> None:
+    """Outputs, gradients and casts of the kernels (eager) and of the mode (the path a
+    compiled call and a list with no kernels take) agree exactly."""
+    cls, inputs = MODELS[name]
+    torch.manual_seed(0)
+    model = cls()
+    args = inputs()
+    results = []
+    for kernels in (True, False):
+        converted = amp.auto_mixed_precision(model, "O1", "bf16")
+        _region(converted).kernels = kernels
+        model.zero_grad()
+        out, counter = count_casts(converted, *args)
+        out.float().sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((out, counter.casts, grads))
+    (out_k, casts_k, grads_k), (out_m, casts_m, grads_m) = results
+    assert out_k.dtype == out_m.dtype == torch.float32
+    assert torch.equal(out_k, out_m)
+    assert casts_k == casts_m
+    assert len(grads_k) == len(grads_m) > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads_k, grads_m, strict=True))
+
+
+def test_the_kernels_act_only_inside_a_call_and_in_its_thread() -> None:
+    other: list[torch.dtype] = []
+    x = torch.randn(2, 4)
+    weight = torch.randn(4, 4)
+
+    class Spawns(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            thread = threading.Thread(target=lambda: other.append(F.linear(x, weight).dtype))
+            thread.start()
+            thread.join()
+            return self.fc(x)
+
+    converted = amp.auto_mixed_precision(Spawns(), "O1", "bf16")
+    with Computes("addmm", "mm") as computes:
+        converted(x)
+        outside = F.linear(x, weight)
+    assert other == [torch.float32]  # another thread, during the call: PyTorch's own
+    assert outside.dtype == torch.float32
+    assert computes.seen == {"addmm": [BF16], "mm": [torch.float32]}  # (this thread only)
+
+
+def test_an_error_mid_forward_leaves_the_dispatcher_as_it_was() -> None:
+    class Fails(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.fc(x)
+            raise ValueError("boom")
+
+    converted = amp.auto_mixed_precision(Fails(), "O1", "bf16")
+    included = torch._C._dispatch_tls_local_include_set()
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    with pytest.raises(ValueError, match="boom"):
+        converted(torch.randn(2, 4))
+    assert torch._C._dispatch_tls_local_include_set() == included
+    assert torch._C._dispatch_tls_local_exclude_set() == excluded
+    assert dispatch._LOCAL.state is None
+    assert F.linear(torch.randn(2, 4), torch.randn(4, 4)).dtype == torch.float32
+
+
+def test_a_list_op_no_aten_operator_stands_for_runs_under_the_mode() -> None:
+    """``F.normalize`` is Python calling several operators: the list then runs as the
+    torch-function mode, which sees the function itself."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    white: list[Any] = [nn.Linear, F.normalize]
+    converted = amp.custom_mixed_precision(model, white_list=white, dtype="bf16")
+    assert not _region(converted).kernels
+
+    class Normalizes(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.normalize(x, dim=-1)
+
+    converted = amp.custom_mixed_precision(Normalizes(), white_list=white, dtype="bf16")
+    with Computes("linalg_vector_norm") as computes:
+        out = converted(torch.randn(2, 4))
+    assert computes.seen == {"linalg_vector_norm": [BF16]}
+    assert out.dtype == torch.float32
+
+
+def test_an_operator_pytorch_builds_from_a_listed_one_computes_that_part_low() -> None:
+    """Decided at ATen's operator level, as ``torch.autocast`` decides: ``tensordot`` calls
+    ``mm``, which computes low; its result comes back float32."""
+
+    class Dot(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.tensordot(a, b, dims=1)
+
+    converted = amp.auto_mixed_precision(Dot(), "O1", "bf16")
+    with Computes("mm") as computes:
+        out = converted(torch.randn(3, 4), torch.randn(4, 5))
+    assert computes.seen == {"mm": [BF16]}
+    assert out.dtype == torch.float32
+
+
+def test_each_conversion_applies_its_own_list() -> None:
+    """The kernels are the process's, the lists each conversion's: an op another
+    conversion lists runs as PyTorch runs it here."""
+
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.matmul(self.fc(x), x.t())
+
+    model = Both()
+    everything = amp.auto_mixed_precision(model, "O1", "bf16")
+    only_matmul = amp.custom_mixed_precision(model, white_list=[torch.matmul], dtype="bf16")
+    assert _region(everything).kernels and _region(only_matmul).kernels
+    x = torch.randn(2, 4)
+    with Computes("addmm", "mm") as computes:
+        everything(x)
+    assert computes.seen == {"addmm": [BF16], "mm": [BF16]}
+    with Computes("addmm", "mm") as computes:
+        only_matmul(x)
+    assert computes.seen == {"addmm": [torch.float32], "mm": [BF16]}
