@@ -214,7 +214,8 @@ def test_each_conversion_applies_its_own_list() -> None:
     model = Both()
     everything = amp.auto_mixed_precision(model, "O1", "bf16")
     only_matmul = amp.custom_mixed_precision(model, white_list=[torch.matmul], dtype="bf16")
-    assert _region(everything).kernels and _region(only_matmul).kernels
+    assert _region(everything).kernels
+    assert _region(only_matmul).kernels
     x = torch.randn(2, 4)
     with Computes("addmm", "mm") as computes:
         everything(x)
