@@ -1,19 +1,22 @@
-"""A candidate O1 mechanism, measured: Python kernels at the AutocastCPU dispatch key.
+"""O1's mechanisms, measured side by side: the mode, the shipped kernels, candidate D.
 
 O1 runs every white-list op in the low dtype and casts its result back to float32; every
-other op follows its inputs. Today a ``TorchFunctionMode`` applies that rule, so every op
-(and every tensor method and property) pays a Python call. The candidate here registers a
-Python kernel for the white-list ops only (``torch.library``, at ``AutocastCPU``) and runs
-the model under ``torch.autocast``: the white-list ops pay one Python call each (cast their
-floating inputs down, compute, cast the result up), the rest run in C++ as under autocast.
+other op follows its inputs. Three ways to apply that rule:
 
-It is a measurement, not a mechanism mixprec uses: the kernels replace ``torch.autocast``'s
-own for those ops in the whole process (every ``torch.autocast`` region then pays them and
-loses autocast's weight-cast cache), which is why it runs in its own process and last.
+* **the mode**: a ``TorchFunctionMode`` (what O1 runs under ``torch.compile``): every op,
+  tensor method and property pays a Python call;
+* **O1 as shipped** (``mixprec.convert.dispatch``): a Python kernel per listed ATen op at a
+  dispatch key of its own (a free autocast key, a fallthrough for every other op), in effect
+  only inside a converted call; ``nn.Linear``/``nn.Conv*``/``nn.ReLU`` make their one call
+  directly;
+* **candidate D**: Python kernels for the white-list ops at ``AutocastCPU``, the model run
+  under ``torch.autocast``. Not used: those kernels replace ``torch.autocast``'s own for those
+  ops in the whole process (every ``torch.autocast`` region then pays them and loses
+  autocast's weight-cast cache), which is why it runs in its own process and last.
 
 Prints host time per forward (no grad) as ratios to ``torch.autocast`` with PyTorch's own
-kernels (measured first, before the kernels are registered), and checks the candidate's
-outputs against mixprec's O1 (they are bit-identical on GPT-2 and BERT).
+kernels (measured first, before candidate D's kernels are registered), and checks that the
+three give bit-identical outputs.
 
 Run: python benchmarks/bench_o1_autocast_kernels.py [--models gpt2,bert] [--rounds 40]
 """
@@ -35,6 +38,15 @@ from bench_overhead import _call, _first_tensor, build, time_rounds
 OPS = ("addmm", "linear", "matmul", "bmm", "baddbmm", "mm", "scaled_dot_product_attention")
 _STATE = threading.local()
 _BELOW = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+
+def _region(converted: torch.nn.Module) -> Any:
+    """The run-time state of an O1 conversion (its ``kernels`` flag picks the mechanism)."""
+    return next(
+        m.__dict__["forward"].region
+        for m in converted.modules()
+        if hasattr(m.__dict__.get("forward"), "region")
+    )
 
 
 def install() -> torch.library.Library:
@@ -66,6 +78,7 @@ def main() -> None:
     torch.set_num_threads(1)
     models = {name: build(name) for name in args.models.split(",")}
     before: dict[str, dict[str, float]] = {}
+    same: dict[str, bool] = {}
     for name, (model, inputs) in models.items():
 
         def autocast(model: torch.nn.Module = model, inputs: Any = inputs) -> torch.Tensor:
@@ -73,15 +86,21 @@ def main() -> None:
                 return _first_tensor(model(**inputs))
 
         o1 = amp.auto_mixed_precision(model, "O1", torch.bfloat16)
+        moded = amp.auto_mixed_precision(model, "O1", torch.bfloat16)
+        _region(moded).kernels = False
         calls: dict[str, Callable[[], torch.Tensor]] = {
             "torch.autocast": autocast,
             "O1": lambda o1=o1, inputs=inputs: _call(o1, inputs),
+            "mode": lambda moded=moded, inputs=inputs: _call(moded, inputs),
         }
         before[name] = time_rounds(calls, args.rounds, backward=False)
+        with torch.no_grad():
+            same[name] = torch.equal(_call(o1, inputs), _call(moded, inputs))
     library = install()
     print("host time per forward, ratio to torch.autocast with PyTorch's kernels")
     print(
-        f"{'model':8s} {'torch.autocast':>15s} {'O1 (mode)':>10s} {'candidate':>10s}  equal to O1"
+        f"{'model':8s} {'torch.autocast':>15s} {'mode':>8s} {'O1':>8s} {'cand. D':>8s}"
+        "  bit-identical"
     )
     for name, (model, inputs) in models.items():
         o1 = amp.auto_mixed_precision(model, "O1", torch.bfloat16)
@@ -103,10 +122,11 @@ def main() -> None:
         base = before[name]["torch.autocast"]
         scale = before[name]["O1"] / after["O1"]
         with torch.no_grad():
-            same = torch.equal(_call(o1, inputs).float(), candidate().float())
+            same[name] &= torch.equal(_call(o1, inputs).float(), candidate().float())
         print(
-            f"{name:8s} {base * 1e3:12.2f} ms {before[name]['O1'] / base:9.2f}x "
-            f"{after['candidate'] * scale / base:9.2f}x  {same}"
+            f"{name:8s} {base * 1e3:12.2f} ms {before[name]['mode'] / base:7.2f}x "
+            f"{before[name]['O1'] / base:7.2f}x {after['candidate'] * scale / base:7.2f}x"
+            f"  {same[name]}"
         )
     del library
 

@@ -69,8 +69,15 @@ class Ops(nn.Module):
         return out.exp().sum(-1)
 
 
+def _conv_relu() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 3), nn.ReLU()
+    )
+
+
 MODELS = {
     "ops": (Ops, lambda: (torch.randn(4, 8),)),
+    "conv-relu": (_conv_relu, lambda: (torch.randn(2, 3, 8, 8),)),
     "cnn": (SmallCNN, lambda: (torch.randn(2, 3, 8, 8),)),
     "transformer": (TinyTransformer, lambda: (torch.randint(0, 50, (2, 6)),)),
 }

@@ -273,6 +273,10 @@ class ListedForward(ForwardBase):
         self.region = region
         self.as_written = isinstance(module, FAST_PATH_MODULES)
         self.may_get_nested = under_fast_path  # only a fast path makes nested tensors
+        #: an ``nn.ReLU`` whose one call (white at O1) is made here, without its kernel
+        self.relu = (
+            type(module).forward is nn.ReLU.forward and region.kernels and "relu" in region.names
+        )
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
         if not _mixprec_hooked and takes_hook_path(self.module, self):
@@ -286,6 +290,10 @@ class ListedForward(ForwardBase):
             finally:
                 local.depth = depth
         if getattr(local, "depth", 0):  # inside the model: the region's mode is active
+            if self.relu and len(args) == 1 and not kwargs and not self.module.inplace:
+                out = _direct_relu(local.mode, args[0])
+                if out is not NotImplemented:
+                    return out
             return type(self.module).forward(self.module, *args, **kwargs)
         if not (_all_float32(args) and _all_float32(kwargs.values())):
             args, kwargs = _cast_call(args, kwargs, torch.float32, _needs_up)
@@ -432,6 +440,21 @@ _ONE_CALL_LAYERS: tuple[tuple[type[nn.Module], Callable[..., Any]], ...] = (
     (nn.ConvTranspose2d, F.conv_transpose2d),
     (nn.ConvTranspose3d, F.conv_transpose3d),
 )
+
+
+def _direct_relu(mode: RuntimeListMode | None, x: Any) -> Any:
+    """``nn.ReLU``'s one call as its kernel makes it (input cast down once per call, result
+    cast back), with no kernel; NotImplemented where the kernel decides."""
+    if (
+        mode is None
+        or not isinstance(x, torch.Tensor)
+        or torch.compiler.is_compiling()
+        or not only_plain_tensors((x,), {})
+    ):
+        return NotImplemented
+    with dispatch.aside():
+        out = torch.relu(mode.cast_value(x, mode.dtype))
+        return mode.cast_back(out) if mode.back else out
 
 
 def _direct_kind(module: nn.Module) -> str | None:

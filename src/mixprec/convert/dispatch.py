@@ -129,13 +129,26 @@ def _kernel(op: Any, name: str, keyset: Any) -> Callable[..., Any]:
             ):
                 return op(*args, **kwargs)
             dtype = state.dtype
-            args = tuple([state.cast_operand(a, dtype) for a in args])
+            args = tuple([_down(state, a, dtype) for a in args])
             if kwargs:
-                kwargs = {k: state.cast_operand(v, dtype) for k, v in kwargs.items()}
+                kwargs = {k: _down(state, v, dtype) for k, v in kwargs.items()}
             out = op(*args, **kwargs)
             return state.cast_back(out) if state.back else out
 
     return kernel
+
+
+def _down(state: RuntimeListMode, value: Any, dtype: torch.dtype) -> Any:
+    """One operand of a listed op: a floating tensor (not float64), or each in a
+    TensorList, cast to ``dtype`` once per call."""
+    if isinstance(value, torch.Tensor):
+        have = value.dtype
+        if have is dtype or not have.is_floating_point or have is torch.float64:
+            return value
+        return state.cast_eager(value, dtype)
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+        return type(value)(_down(state, item, dtype) for item in value)  # einsum's operands
+    return value
 
 
 class ListRegion:

@@ -148,6 +148,11 @@ class RuntimeListMode(TorchFunctionMode):
             return leaf
         if torch.compiler.is_compiling():  # the compiler removes repeated casts itself,
             return leaf.to(dtype)  # and a dict it traced through would need guards
+        return self.cast_eager(leaf, dtype)
+
+    def cast_eager(self, leaf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`cast_value` of a floating ``leaf`` (not float64, not ``dtype``) outside
+        ``torch.compile``."""
         key = (id(leaf), dtype)
         hit = self.memo.get(key)
         if hit is not None and hit[0] is leaf and hit[1] == leaf._version:
