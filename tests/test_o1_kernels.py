@@ -230,3 +230,30 @@ def test_each_conversion_applies_its_own_list() -> None:
     with Computes("addmm", "mm") as computes:
         only_matmul(x)
     assert computes.seen == {"addmm": [torch.float32], "mm": [BF16]}
+
+
+def test_o1_runs_under_inference_mode() -> None:
+    """An inference tensor has no version counter: it is cast at each use, never served
+    from the call's memo (a write into it could not be seen)."""
+
+    class Writes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.matmul(x, x.t())
+            z = y @ x
+            y.mul_(2)  # a write the next matmul must see
+            return self.fc(z) + y @ x
+
+    torch.manual_seed(0)
+    model = Writes()
+    x = torch.randn(3, 4)
+    converted = amp.auto_mixed_precision(model, "O1", "bf16")
+    with torch.no_grad():
+        expected = converted(x)
+    with torch.inference_mode():
+        out = converted(x)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, expected)

@@ -196,6 +196,7 @@ class Region:
         #: (:mod:`mixprec.convert.dispatch`) rather than the mode
         self.names = frozenset(op for op in recipe.low_ops if isinstance(op, str))
         self.kernels = dispatch.supports(self.names)
+        self.keyset = dispatch.keyset()  # (what a call that makes its own casts excludes)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"recipe": self.recipe}  # torch functions and thread state do not pickle
@@ -342,7 +343,13 @@ class WhiteForward(ForwardBase):
             return nn.Module._call_impl(self.module, *args, **kwargs)
         local = self.region.local
         running = local.mode
-        if getattr(local, "depth", 0) and running is not None:  # inside the model
+        if local.depth and running is not None:  # inside the model
+            if self.direct is not None and len(args) == 1 and not kwargs:  # the hot path
+                out = self._direct(running, args[0])
+                if out is not NotImplemented:
+                    if self.module._forward_hooks or _global_forward_hooks:
+                        return out  # CastBackLast casts it back after the hooks
+                    return running.cast_back_eager(out)
             return self._finish(running, self._run(running, args, kwargs))
         mode = self.region.mode()
         local.depth, local.mode = 1, mode
@@ -385,22 +392,25 @@ class WhiteForward(ForwardBase):
         here as its operator's kernel would cast them, with no kernel: the same casts, the
         same result (low), one Python call fewer. NotImplemented where the kernel decides
         (under ``torch.compile``, a tensor subclass, a padding mode of its own)."""
+        if torch.compiler.is_compiling() or not self.region.kernels:
+            return NotImplemented
         module: Any = self.module
         weight, bias = module.weight, module.bias
         if (
-            not self.region.kernels
-            or not isinstance(x, torch.Tensor)
-            or torch.compiler.is_compiling()
-            or not only_plain_tensors((x, weight, bias), {})
-            or (self.direct == "conv" and module.padding_mode != "zeros")
-        ):
+            type(x) is not torch.Tensor
+            or type(weight) is not nn.Parameter
+            or (bias is not None and type(bias) is not nn.Parameter)
+        ) and not (isinstance(x, torch.Tensor) and only_plain_tensors((x, weight, bias), {})):
             return NotImplemented
-        dtype = mode.dtype
-        with dispatch.aside():
-            x, weight = mode.cast_value(x, dtype), mode.cast_value(weight, dtype)
+        direct = self.direct
+        if direct == "conv" and module.padding_mode != "zeros":
+            return NotImplemented
+        down = mode.down
+        with torch._C._ExcludeDispatchKeyGuard(self.region.keyset):
+            x, weight = down(x), down(weight)
             if bias is not None:
-                bias = mode.cast_value(bias, dtype)
-            if self.direct == "linear":
+                bias = down(bias)
+            if direct == "linear":
                 return F.linear(x, weight, bias)
             return module._conv_forward(x, weight, bias)
 
@@ -449,11 +459,11 @@ def _direct_relu(mode: RuntimeListMode | None, x: Any) -> Any:
         mode is None
         or not isinstance(x, torch.Tensor)
         or torch.compiler.is_compiling()
-        or not only_plain_tensors((x,), {})
+        or not (type(x) is torch.Tensor or only_plain_tensors((x,), {}))
     ):
         return NotImplemented
     with dispatch.aside():
-        out = torch.relu(mode.cast_value(x, mode.dtype))
+        out = torch.relu(mode.down(x))
         return mode.cast_back(out) if mode.back else out
 
 

@@ -35,7 +35,7 @@ from mixprec.policy.ops import only_plain_tensors
 if TYPE_CHECKING:
     from mixprec.convert.runtime import RuntimeListMode
 
-__all__ = ["ListRegion", "aside", "supports"]
+__all__ = ["ListRegion", "aside", "keyset", "supports"]
 
 #: Autocast keys of backends PyTorch builds no kernels for, in order of preference.
 _CANDIDATE_KEYS = ("AutocastIPU", "AutocastHPU")
@@ -142,10 +142,7 @@ def _down(state: RuntimeListMode, value: Any, dtype: torch.dtype) -> Any:
     """One operand of a listed op: a floating tensor (not float64), or each in a
     TensorList, cast to ``dtype`` once per call."""
     if isinstance(value, torch.Tensor):
-        have = value.dtype
-        if have is dtype or not have.is_floating_point or have is torch.float64:
-            return value
-        return state.cast_eager(value, dtype)
+        return state.down(value)
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
         return type(value)(_down(state, item, dtype) for item in value)  # einsum's operands
     return value
@@ -178,6 +175,13 @@ class ListRegion:
                 guard.__exit__(None, None, None)
         finally:
             _LOCAL.state = self._saved
+
+
+def keyset() -> Any:
+    """The key's ``DispatchKeySet`` (None when the kernels are not used)."""
+    if _KERNELS is None or not _KERNELS.usable:
+        return None
+    return _KERNELS.keyset
 
 
 def aside() -> Any:

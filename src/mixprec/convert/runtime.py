@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode, get_overridable_functions
 
 from mixprec.convert import dispatch
 from mixprec.convert.structure import takes_hook_path
-from mixprec.policy.dtypes import is_castable, to_dtype
+from mixprec.policy.dtypes import _CAST_METHODS, is_castable, to_dtype
 from mixprec.policy.levels import Level, Precision, Recipe
 from mixprec.policy.ops import cast_tree, only_plain_tensors, op_key, op_name, widest_dtype
 
@@ -131,6 +131,7 @@ class RuntimeListMode(TorchFunctionMode):
         self.suspended = 0
         #: the white list's ATen names, when its kernels apply it (:mod:`.dispatch`)
         self.names = names
+        self._to_low = _CAST_METHODS.get(dtype) or functools.partial(torch.Tensor.to, dtype=dtype)
         # one cast per value and dtype in this call: id -> (source, version, dtype, cast)
         self.memo: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int, torch.Tensor]] = {}
 
@@ -152,26 +153,56 @@ class RuntimeListMode(TorchFunctionMode):
 
     def cast_eager(self, leaf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """:meth:`cast_value` of a floating ``leaf`` (not float64, not ``dtype``) outside
-        ``torch.compile``."""
+        ``torch.compile``. An inference tensor (no version counter, so no way to see a
+        write into it) is cast at each use."""
         key = (id(leaf), dtype)
         hit = self.memo.get(key)
-        if hit is not None and hit[0] is leaf and hit[1] == leaf._version:
+        try:
+            version = leaf._version
+        except RuntimeError:  # an inference tensor
+            return to_dtype(leaf, dtype)
+        if hit is not None and hit[0] is leaf and hit[1] == version:
             return hit[2]
         cast = to_dtype(leaf, dtype)
-        self.memo[key] = (leaf, leaf._version, cast)
+        self.memo[key] = (leaf, version, cast)
         return cast
+
+    def down(self, leaf: torch.Tensor) -> torch.Tensor:
+        """:meth:`cast_value` to the low dtype outside ``torch.compile`` (the hot path of
+        O1's kernels and one-call layers)."""
+        have = leaf.dtype
+        dtype = self.dtype
+        if have is dtype or not have.is_floating_point or have is torch.float64:
+            return leaf
+        key = (id(leaf), dtype)
+        hit = self.memo.get(key)
+        try:
+            version = leaf._version
+        except RuntimeError:  # an inference tensor: cast at each use
+            return self._to_low(leaf)
+        if hit is not None and hit[0] is leaf and hit[1] == version:
+            return hit[2]
+        cast = self._to_low(leaf)
+        self.memo[key] = (leaf, version, cast)
+        return cast
+
+    def cast_back_eager(self, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`cast_back` of a tensor outside ``torch.compile``."""
+        if out.dtype is not self.dtype:
+            return out
+        up = out.float()
+        if not up.is_inference():  # (an inference tensor has no version: not remembered)
+            self.memo[(id(up), self.dtype)] = (up, up._version, out)
+        return up
 
     def cast_back(self, out: Any) -> Any:
         """O1: a low result, cast back to float32 (remembered, so a white-list op that
         takes it next uses the low original instead of casting it down again)."""
         if not isinstance(out, torch.Tensor):
             return cast_tree(out, torch.float32)
-        if out.dtype != self.dtype:
-            return out
-        up = out.float()
-        if not torch.compiler.is_compiling():
-            self.memo[(id(up), self.dtype)] = (up, up._version, out)
-        return up
+        if torch.compiler.is_compiling():
+            return out.float() if out.dtype == self.dtype else out
+        return self.cast_back_eager(out)
 
     def __torch_function__(
         self,
