@@ -181,13 +181,20 @@ class CastState:
         return _cast_for(frame, tensor, self.dtype)
 
 
+#: Tensor types whose calls run no ``__torch_function__`` of their own.
+_NO_TORCH_FUNCTION = frozenset((nn.Parameter, torch.Tensor))
+
+
 def _cast_for(frame: _Frame, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast ``tensor`` to ``dtype`` for the running call ``frame`` and remember the cast
     (and its version, to find a write the forward makes into it)."""
     low = tensor
     if tensor.dtype is not dtype and tensor.dtype in _CASTABLE:
-        # mixprec's own bookkeeping is not the model's code: no mode need see it
-        with torch._C.DisableTorchFunction():
+        if torch._C._len_torch_function_stack() or type(tensor) not in _NO_TORCH_FUNCTION:
+            # mixprec's own bookkeeping is not the model's code: no mode need see it
+            with torch._C.DisableTorchFunction():
+                low = to_dtype(tensor, dtype)
+        else:  # (no mode on, and a Parameter's torch-function handling is off)
             low = to_dtype(tensor, dtype)
     try:
         version = low._version
@@ -248,15 +255,15 @@ class LowParameters(dict[str, Any]):
 
     def __getitem__(self, name: str) -> Any:
         value = dict.__getitem__(self, name)
-        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
-            if value is None or name in self.kept or not is_castable(value):
+        if torch.compiler.is_compiling():
+            if value is None or name in self.kept:
                 return value
-            return to_dtype(value, self.state.dtype)
+            if torch.compiler.is_exporting():
+                frame = self.state.frame()
+                return value if frame is None else self.state.low(value, frame)
+            return to_dtype(value, self.state.dtype) if is_castable(value) else value
         if value is None or name in self.kept:
             return value
-        if torch.compiler.is_exporting():
-            frame = self.state.frame()
-            return value if frame is None else self.state.low(value, frame)
         frame = getattr(self.local, "frame", None)
         if frame is None or not frame.depth:
             return value
@@ -356,13 +363,6 @@ def settled(values: Any, dtype: torch.dtype) -> bool:
         elif not isinstance(value, (int, float, bool, str, type(None))):
             return False  # a container: let cast_tree look inside
     return True
-
-
-def _needs_cast(value: Any, dtype: torch.dtype) -> bool:
-    """Whether one argument may need a cast to ``dtype`` (a container: maybe)."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype is not dtype and value.dtype in _CASTABLE
-    return not isinstance(value, (int, float, bool, str, type(None)))
 
 
 def cast_args(
@@ -634,7 +634,13 @@ class ModuleCall:
                 if dtype is not None:
                     if self.island:
                         return self._island(frame, args, kwargs)
-                    if kwargs or len(args) != 1 or frame.active or _needs_cast(args[0], dtype):
+                    if (
+                        kwargs
+                        or len(args) != 1
+                        or frame.active
+                        or type(first := args[0]) is not torch.Tensor
+                        or (first.dtype is not dtype and first.dtype in _CASTABLE)
+                    ):
                         args, kwargs = cast_args(args, kwargs, dtype)
                 if self.loss or (
                     self.buffers_mix and self.module._buffers and _floating(self.module._buffers)
