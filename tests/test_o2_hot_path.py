@@ -349,3 +349,29 @@ def test_a_converted_call_takes_the_frames_of_the_original(level: str) -> None:
     assert seen == [torch.bfloat16]
     inner.forward = lambda t: t * 0  # the user's own forward, set on the instance
     assert torch.equal(converted(x), torch.zeros(1, 2))
+
+
+def test_a_transformers_output_is_cast_as_a_copy_of_its_state() -> None:
+    """The root's output cast rebuilds a ``ModelOutput`` (a dict whose attributes mirror its
+    items) as a copy of its state, not through its constructor: same type, keys, attribute
+    mirror and aliases; the object itself when no value changes."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from mixprec.policy.ops import cast_tree
+
+    hidden = torch.randn(1, 3, 4, dtype=torch.bfloat16)
+    out = BaseModelOutputWithPooling(
+        last_hidden_state=hidden, pooler_output=hidden[:, 0], hidden_states=(hidden,)
+    )
+    cast = cast_tree(out, torch.float32)
+    assert type(cast) is BaseModelOutputWithPooling
+    assert list(cast.keys()) == ["last_hidden_state", "pooler_output", "hidden_states"]
+    assert cast.attentions is None
+    assert cast["last_hidden_state"] is cast.last_hidden_state
+    assert cast.last_hidden_state.dtype == torch.float32
+    assert torch.equal(cast.last_hidden_state, hidden.float())
+    assert cast.hidden_states[0] is cast.last_hidden_state  # one tensor, cast once
+    assert cast.to_tuple()[1].dtype == torch.float32
+    assert out.last_hidden_state.dtype == torch.bfloat16  # the original is untouched
+    only_tensors = BaseModelOutputWithPooling(last_hidden_state=hidden.float())
+    assert cast_tree(only_tensors, torch.float32) is only_tensors  # nothing to cast

@@ -9,6 +9,7 @@ one Python call and no kernel.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable
@@ -56,6 +57,10 @@ def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
     tensor that appears twice is cast once, so ``query is key is value`` stays true."""
     if isinstance(tree, torch.Tensor):  # the common cases, without a tree walk
         return to_dtype(tree, dtype) if tree.dtype != dtype and is_castable(tree) else tree
+    if isinstance(tree, dict) and type(tree) is not dict and not torch.compiler.is_compiling():
+        mirrored = _cast_mirrored(tree, dtype)
+        if mirrored is not None:
+            return mirrored
     casts: dict[int, torch.Tensor] = {}  # a tensor given twice is cast once (aliases stay)
     compiling = torch.compiler.is_compiling()  # (the compiler would guard on each id)
 
@@ -86,6 +91,36 @@ def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
         return leaf
 
     return pytree.tree_map(one, tree)
+
+
+_MISSING = object()
+
+
+def _cast_mirrored(tree: dict[Any, Any], dtype: torch.dtype) -> Any:
+    """A dict subclass whose attributes mirror its items (transformers' ``ModelOutput``),
+    with its values cast: a copy of its state (what ``copy.copy`` makes) with the cast
+    values set, instead of a call of its constructor (which re-validates every field, a
+    large part of a small model's host time); the object itself when no value
+    changes. None for any other dict subclass (the pytree path rebuilds it)."""
+    state = getattr(tree, "__dict__", None)
+    if state is None or not tree or any(state.get(k, _MISSING) is not v for k, v in tree.items()):
+        return None
+    values = tuple(tree.values())
+    cast = cast_tree(values, dtype)  # (one memo: a tensor in two fields is cast once)
+    if all(a is b for a, b in zip(values, cast, strict=True)):
+        return tree
+    cls = type(tree)
+    setitem = (
+        collections.OrderedDict.__setitem__
+        if isinstance(tree, collections.OrderedDict)
+        else dict.__setitem__
+    )
+    new = cls.__new__(cls)
+    new.__dict__.update(state)
+    for key, value in zip(tree.keys(), cast, strict=True):
+        setitem(new, key, value)
+        new.__dict__[key] = value
+    return new
 
 
 def widest_of(dtypes: Iterable[torch.dtype]) -> torch.dtype | None:
