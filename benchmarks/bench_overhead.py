@@ -10,7 +10,10 @@ median, as a ratio to ``torch.autocast("cpu", torch.bfloat16)`` on the original 
 ``--breakdown`` adds a diagnostic column, "O3 precast": O3 with its weights cast once up
 front (what O3 would cost if a weight's cast were free; forward only).
 
+``--casts`` adds a row per model: the cast kernels one forward of each column launches.
+
 Run: python benchmarks/bench_overhead.py [--quick] [--models gpt2,bert,t5,resnet] [--breakdown]
+[--casts]
 """
 
 from __future__ import annotations
@@ -213,6 +216,9 @@ def main() -> None:
         action="store_true",
         help="add 'O3 precast': O3 with its weights cast once up front (forward only)",
     )
+    parser.add_argument(
+        "--casts", action="store_true", help="add a row: cast kernels per forward of each column"
+    )
     args = parser.parse_args()
     rounds = args.rounds or (5 if args.quick else 40)
     torch.set_num_threads(1)
@@ -237,6 +243,23 @@ def main() -> None:
             row = f"{model_name:8s} {'fwd+bwd' if backward else 'fwd':8s} {base * 1e3:11.2f} ms"
             row += "".join(f"{med[n] / base:10.2f}x" for n in names[1:])
             print(row, flush=True)
+        if args.casts:
+            counted = count_casts(calls)
+            row = f"{model_name:8s} {'casts':8s} {counted['torch.autocast']:14d}"
+            print(row + "".join(f"{counted[n]:11d}" for n in names[1:]), flush=True)
+
+
+def count_casts(calls: dict[str, Callable[[], torch.Tensor]]) -> dict[str, int]:
+    """Cast kernels per forward of each column (a count that does not vary from run to
+    run, unlike the times)."""
+    from mixprec.inspect import CastCounter
+
+    counted: dict[str, int] = {}
+    for name, call in calls.items():
+        with torch.no_grad(), CastCounter() as counter:
+            call()
+        counted[name] = counter.total
+    return counted
 
 
 if __name__ == "__main__":
