@@ -490,7 +490,9 @@ def test_plan_table_and_dict() -> None:
 
 def test_o1_data_movement_between_low_ops() -> None:
     """A reshape/permute between two low ops (attention heads) moves float32 values: the
-    views of a white-list result are cast down again where the next white-list op uses them."""
+    views of a white-list result are cast down again where the next white-list op uses
+    them; with no gradient to keep on the views' path (inference), each is taken as the
+    same view of the low result instead, with no cast and the same values."""
 
     class Heads(nn.Module):
         def __init__(self) -> None:
@@ -512,6 +514,38 @@ def test_o1_data_movement_between_low_ops() -> None:
     assert counter.casts == {(torch.float32, torch.bfloat16): 9, (torch.bfloat16, torch.float32): 3}
     assert amp.explain(converted, x).num_casts == counter.total
     assert rel_error(out, model(x)) < BF16_TOL
+    with torch.no_grad():
+        viewed, counter = count_casts(converted, x)
+        assert amp.explain(converted, x).num_casts == counter.total
+    # down: x and the 4 weights; q, k, v and the output's view are views of low results
+    assert counter.casts == {(torch.float32, torch.bfloat16): 5, (torch.bfloat16, torch.float32): 3}
+    assert torch.equal(viewed, out)
+
+
+def test_o1_a_view_of_a_value_written_since_its_cast_is_cast_afresh() -> None:
+    class Writes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.fc(x)
+            heads = y.view(2, 2, 4)
+            first = torch.matmul(heads, heads.transpose(1, 2))  # views of the low result
+            y.mul_(3)  # a write through the float32 result: the views now differ from it
+            return first.sum() + torch.matmul(heads, heads.transpose(1, 2)).sum()
+
+    torch.manual_seed(0)
+    model = Writes()
+    x = torch.randn(2, 4)
+    out = amp.auto_mixed_precision(model, "O1", "bf16")(x)
+    with torch.no_grad():
+        y = F.linear(x.bfloat16(), model.fc.weight.bfloat16(), model.fc.bias.bfloat16()).float()
+        heads = y.view(2, 2, 4).bfloat16()
+        first = torch.matmul(heads, heads.transpose(1, 2)).float().sum()
+        heads3 = (y * 3).view(2, 2, 4).bfloat16()
+        second = torch.matmul(heads3, heads3.transpose(1, 2)).float().sum()
+    assert torch.equal(out, first + second)
 
 
 class Masked(nn.Module):

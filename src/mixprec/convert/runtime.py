@@ -29,7 +29,14 @@ from mixprec.convert import dispatch
 from mixprec.convert.structure import takes_hook_path
 from mixprec.policy.dtypes import _CAST_METHODS, is_castable, to_dtype
 from mixprec.policy.levels import Level, Precision, Recipe
-from mixprec.policy.ops import cast_tree, only_plain_tensors, op_key, op_name, widest_dtype
+from mixprec.policy.ops import (
+    _plain_types,
+    cast_tree,
+    only_plain_tensors,
+    op_key,
+    op_name,
+    widest_dtype,
+)
 
 __all__ = [
     "ForwardBase",
@@ -163,7 +170,12 @@ class RuntimeListMode(TorchFunctionMode):
             return to_dtype(leaf, dtype)
         if hit is not None and hit[0] is leaf and hit[1] == version:
             return hit[2]
-        cast = to_dtype(leaf, dtype)
+        base = leaf._base
+        cast = None
+        if base is not None and not leaf.requires_grad and type(leaf) in _plain_types():
+            cast = self._view_of_cast(leaf, base, dtype)
+        if cast is None:
+            cast = to_dtype(leaf, dtype)
         self.memo[key] = (leaf, version, cast)
         return cast
 
@@ -182,9 +194,35 @@ class RuntimeListMode(TorchFunctionMode):
             return self._to_low(leaf)
         if hit is not None and hit[0] is leaf and hit[1] == version:
             return hit[2]
-        cast = self._to_low(leaf)
+        base = leaf._base
+        cast = None
+        if base is not None and not leaf.requires_grad and type(leaf) in _plain_types():
+            cast = self._view_of_cast(leaf, base, dtype)
+        if cast is None:
+            cast = self._to_low(leaf)
         self.memo[key] = (leaf, version, cast)
         return cast
+
+    def _view_of_cast(
+        self, leaf: torch.Tensor, base: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """``leaf``, a view of a value this call has cast to ``dtype`` already (the heads
+        split out of an attention projection's result, cast back up), as the same view of
+        that cast: a cast is elementwise, so these are its values exactly, with no cast
+        kernel. None when ``base`` was not cast, or was written since. (Only for a plain
+        tensor that needs no gradient: with autograd the view's history, a backward hook's
+        node included, must stay on the gradient's path.)"""
+        hit = self.memo.get((id(base), dtype))
+        if hit is None or hit[0] is not base or hit[1] != base._version:
+            return None
+        cast = hit[2]
+        if (
+            base.storage_offset() != cast.storage_offset()
+            or base.stride() != cast.stride()
+            or base.shape != cast.shape
+        ):
+            return None
+        return cast.as_strided(leaf.size(), leaf.stride(), leaf.storage_offset())
 
     def cast_back_eager(self, out: torch.Tensor) -> torch.Tensor:
         """:meth:`cast_back` of a tensor outside ``torch.compile``."""
