@@ -227,9 +227,23 @@ def _up(tree: Any) -> Any:
     float64 kept; ``tree`` itself when nothing needs a cast (no container is rebuilt)."""
     if isinstance(tree, torch.Tensor):
         return tree.to(torch.float32) if _needs_up(tree) else tree
-    if not any(_needs_up(leaf) for leaf in pytree.tree_leaves(tree)):
+    if not _holds_low(tree):
         return tree
     return pytree.tree_map(lambda leaf: leaf.to(torch.float32) if _needs_up(leaf) else leaf, tree)
+
+
+def _holds_low(tree: Any) -> bool:
+    """Whether a float16/bfloat16 tensor is in ``tree``: tuples, lists and dicts (a
+    transformers output among them) walked directly, anything else by its pytree leaves."""
+    if isinstance(tree, torch.Tensor):
+        return _needs_up(tree)
+    if isinstance(tree, (tuple, list)):
+        return any(_holds_low(item) for item in tree)
+    if isinstance(tree, dict):
+        return any(_holds_low(item) for item in tree.values())
+    if tree is None or isinstance(tree, (int, float, bool, str)):
+        return False
+    return any(_needs_up(leaf) for leaf in pytree.tree_leaves(tree))
 
 
 def cast_arguments(value: Any, dtype: torch.dtype, needs: Callable[[Any], bool]) -> Any:
