@@ -1,12 +1,16 @@
-"""transformers architectures at O2/O3: forward with labels, backward, ``generate()``.
+"""transformers architectures at each level: forward with labels, backward, ``generate()``.
 
 Tiny random configs (2 layers, width 16, vocabulary 64); prints, per model and level, the
-converted model's loss next to the float32 model's, or the error. A check, not a timing.
+converted model's loss next to the float32 model's, or the error. At O1 it also runs the
+model with the white list applied by the torch-function mode (the path under
+``torch.compile``) and says whether that loss is bit-identical to the kernels'. A check, not
+a timing.
 
-Run: python benchmarks/zoo_check.py
+Run: python benchmarks/zoo_check.py [--levels O1,autocast,O2,O3]
 """
 
 # mypy: ignore-errors
+import argparse
 import warnings
 
 import torch
@@ -119,13 +123,31 @@ cfgs = {
 
 def main() -> None:
     """Print one line per model and level."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", default="O2,O3")
+    levels = parser.parse_args().levels.split(",")
     for name, (cfg, cls) in cfgs.items():
-        check(name, cfg, cls)
+        check(name, cfg, cls, levels)
 
 
-def check(name, cfg, cls):
-    """Convert one model at O2 and O3 and run it (forward, backward, generate)."""
-    for level in ["O2", "O3"]:
+def _mode_loss(conv, kw):
+    """The loss with O1's list applied by the mode instead of the kernels."""
+    region = next(
+        m.__dict__["forward"].region
+        for m in conv.modules()
+        if hasattr(m.__dict__.get("forward"), "region")
+    )
+    region.kernels = False
+    try:
+        torch.manual_seed(1)  # (the same dropout masks as the kernels' call)
+        return conv(**kw).loss
+    finally:
+        region.kernels = True
+
+
+def check(name, cfg, cls, levels):
+    """Convert one model at each level and run it (forward, backward, generate)."""
+    for level in levels:
         try:
             model = cls(cfg)
             kw = {"input_ids": ids, "labels": ids}
@@ -133,12 +155,17 @@ def check(name, cfg, cls):
                 kw["decoder_input_ids"] = ids
             ref = model(**kw).loss
             conv = amp.auto_mixed_precision(model, level, torch.bfloat16)
+            torch.manual_seed(1)
             out = conv(**kw)
             out.loss.backward()
             if "CausalLM" in cls.__name__:
                 conv.generate(ids[:1, :4], max_new_tokens=3, do_sample=False)
+            same = ""
+            if level == "O1":
+                same = f" mode-identical {torch.equal(_mode_loss(conv, kw), out.loss)}"
             print(
-                f"{name:10s} {level} ok loss {out.loss.item():.4f} ref {ref.item():.4f} dtype {out.loss.dtype}"
+                f"{name:10s} {level} ok loss {out.loss.item():.4f} ref {ref.item():.4f} "
+                f"dtype {out.loss.dtype}{same}"
             )
         except Exception as e:
             print(f"{name:10s} {level} FAIL {type(e).__name__}: {str(e)[:200]}")
