@@ -257,3 +257,19 @@ def test_o1_runs_under_inference_mode() -> None:
         out = converted(x)
     assert out.dtype == torch.float32
     assert torch.equal(out, expected)
+
+
+def test_a_key_another_library_uses_leaves_o1_to_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key is used only where no one else registered kernels: here one PyTorch's own
+    autocast uses, so O1 runs its list as the mode, with the same results."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    expected = amp.auto_mixed_precision(model, "O1", "bf16")(x)
+    monkeypatch.setattr(dispatch, "_CANDIDATE_KEYS", ("AutocastCPU",))
+    monkeypatch.setattr(dispatch, "_KERNELS", None)
+    converted = amp.auto_mixed_precision(model, "O1", "bf16")
+    assert not _region(converted).kernels
+    with Computes("addmm") as computes:
+        out = converted(x)
+    assert computes.seen == {"addmm": [BF16, BF16]}
+    assert torch.equal(out, expected)

@@ -71,37 +71,50 @@ class _Kernels:
         self.key = getattr(torch._C.DispatchKey, self.key_name)
         self.keyset = torch._C.DispatchKeySet(self.key)
         self._fallthrough = torch.library.Library("_", "IMPL")
-        self._fallthrough.fallback(torch.library.fallthrough_kernel, self.key_name)
+        try:
+            self._fallthrough.fallback(torch.library.fallthrough_kernel, self.key_name)
+        except RuntimeError:  # a library already registered a fallback of its own there
+            self.usable = False
+            return
         self._library = torch.library.Library("aten", "IMPL")
 
     def register(self, name: str) -> bool:
-        """A kernel for every overload of ``aten::<name>`` (not the ``out=`` forms)."""
+        """A kernel for every overload of ``aten::<name>`` (not the ``out=`` forms);
+        False (the list then runs as the mode) for a name no ATen operator has, or one
+        whose kernels cannot be registered."""
         if name in self.names:
             return True
-        if name in self.refused:
-            return False
         with self.lock:
+            if name in self.names or name in self.refused:
+                return name in self.names
             packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
-            if packet is None or not isinstance(packet, torch._ops.OpOverloadPacket):
+            if not isinstance(packet, torch._ops.OpOverloadPacket):
                 self.refused.add(name)
                 return False
-            for overload in packet.overloads():
-                if "out" in overload:
-                    continue
-                op = getattr(packet, overload)
-                qualified = name if overload == "default" else f"{name}.{overload}"
-                self._library.impl(qualified, _kernel(op, name, self.keyset), self.key_name)
+            try:
+                for overload in packet.overloads():
+                    if overload == "out" or overload.endswith("_out"):
+                        continue
+                    op = getattr(packet, overload)
+                    qualified = name if overload == "default" else f"{name}.{overload}"
+                    self._library.impl(qualified, _kernel(op, name, self.keyset), self.key_name)
+            except RuntimeError:  # (a kernel of another library's at this key)
+                self.refused.add(name)
+                return False
             self.names.add(name)
         return True
 
 
 _KERNELS: _Kernels | None = None
+_MADE = threading.Lock()
 
 
 def _kernels() -> _Kernels:
     global _KERNELS
     if _KERNELS is None:
-        _KERNELS = _Kernels()
+        with _MADE:
+            if _KERNELS is None:
+                _KERNELS = _Kernels()
     return _KERNELS
 
 
