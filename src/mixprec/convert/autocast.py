@@ -289,9 +289,7 @@ class ListedForward(ForwardBase):
         self.as_written = isinstance(module, FAST_PATH_MODULES)
         self.may_get_nested = under_fast_path  # only a fast path makes nested tensors
         #: an ``nn.ReLU`` whose one call (white at O1) is made here, without its kernel
-        self.relu = (
-            type(module).forward is nn.ReLU.forward and region.kernels and "relu" in region.names
-        )
+        self.relu = type(module).forward is nn.ReLU.forward and "relu" in region.names
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
         if not _mixprec_hooked and takes_hook_path(self.module, self):
@@ -305,7 +303,13 @@ class ListedForward(ForwardBase):
             finally:
                 local.depth = depth
         if getattr(local, "depth", 0):  # inside the model: the region's mode is active
-            if self.relu and len(args) == 1 and not kwargs and not self.module.inplace:
+            if (
+                self.relu
+                and self.region.kernels
+                and len(args) == 1
+                and not kwargs
+                and not self.module.inplace
+            ):
                 out = _direct_relu(local.mode, args[0])
                 if out is not NotImplemented:
                     return out

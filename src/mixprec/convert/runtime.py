@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode, get_overridable_functions
 
 from mixprec.convert import dispatch
 from mixprec.convert.structure import takes_hook_path
-from mixprec.policy.dtypes import _CAST_METHODS, is_castable, to_dtype
+from mixprec.policy.dtypes import is_castable, to_dtype
 from mixprec.policy.levels import Level, Precision, Recipe
 from mixprec.policy.ops import (
     _plain_types,
@@ -138,7 +138,6 @@ class RuntimeListMode(TorchFunctionMode):
         self.suspended = 0
         #: the white list's ATen names, when its kernels apply it (:mod:`.dispatch`)
         self.names = names
-        self._to_low = _CAST_METHODS.get(dtype) or functools.partial(torch.Tensor.to, dtype=dtype)
         # one cast per value and dtype in this call: id -> (source, version, dtype, cast)
         self.memo: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int, torch.Tensor]] = {}
 
@@ -183,25 +182,9 @@ class RuntimeListMode(TorchFunctionMode):
         """:meth:`cast_value` to the low dtype outside ``torch.compile`` (the hot path of
         O1's kernels and one-call layers)."""
         have = leaf.dtype
-        dtype = self.dtype
-        if have is dtype or not have.is_floating_point or have is torch.float64:
+        if have is self.dtype or not have.is_floating_point or have is torch.float64:
             return leaf
-        key = (id(leaf), dtype)
-        hit = self.memo.get(key)
-        try:
-            version = leaf._version
-        except RuntimeError:  # an inference tensor: cast at each use
-            return self._to_low(leaf)
-        if hit is not None and hit[0] is leaf and hit[1] == version:
-            return hit[2]
-        base = leaf._base
-        cast = None
-        if base is not None and not leaf.requires_grad and type(leaf) in _plain_types():
-            cast = self._view_of_cast(leaf, base, dtype)
-        if cast is None:
-            cast = self._to_low(leaf)
-        self.memo[key] = (leaf, version, cast)
-        return cast
+        return self.cast_eager(leaf, self.dtype)
 
     def _view_of_cast(
         self, leaf: torch.Tensor, base: torch.Tensor, dtype: torch.dtype
