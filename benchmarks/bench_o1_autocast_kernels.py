@@ -18,6 +18,14 @@ Prints host time per forward (no grad) as ratios to ``torch.autocast`` with PyTo
 kernels (measured first, before candidate D's kernels are registered), and checks that the
 three give bit-identical outputs.
 
+Two diagnostics of what O1's gap is made of: the column "kept low" is O1 with its
+white-list results kept low (autocast's rule, by O1's own kernels; not O1, and not
+bit-identical): the difference to "O1" is what O1's float32 rule costs (the casts back and
+the ops after them computing in float32). The last line times ``F.gelu`` on a (1, 8, 32)
+tensor in float32, in bfloat16 and in float32 with oneDNN off: on CPU PyTorch runs a float32
+GELU through oneDNN, whose fixed cost per call O1 (GELU computes in float32 there) pays and
+``torch.autocast`` (GELU follows its bfloat16 input) does not.
+
 Run: python benchmarks/bench_o1_autocast_kernels.py [--models gpt2,bert] [--rounds 40]
 """
 
@@ -25,14 +33,17 @@ from __future__ import annotations
 
 import argparse
 import threading
+import timeit
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 import mixprec as amp
 from bench_overhead import _call, _first_tensor, build, time_rounds
+from mixprec.convert.runtime import RuntimeListMode
 
 #: The white-list ops the tiny transformers reach (aten names).
 OPS = ("addmm", "linear", "matmul", "bmm", "baddbmm", "mm", "scaled_dot_product_attention")
@@ -47,6 +58,40 @@ def _region(converted: torch.nn.Module) -> Any:
         for m in converted.modules()
         if hasattr(m.__dict__.get("forward"), "region")
     )
+
+
+class _KeptLow(RuntimeListMode):
+    """O1's call state with its white-list results kept low (a diagnostic, not O1)."""
+
+    def cast_back_eager(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def cast_back(self, out: Any) -> Any:
+        return out
+
+
+def kept_low(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` converted at O1, its calls run by :class:`_KeptLow`."""
+    converted = amp.auto_mixed_precision(model, "O1", torch.bfloat16)
+    region = _region(converted)
+    region.mode = lambda: _KeptLow(  # type: ignore[method-assign]
+        region.table, region.default, region.recipe.dtype, back=False, names=region.names
+    )
+    return converted
+
+
+def gelu_costs() -> str:
+    """Microseconds per ``F.gelu`` call: float32, bfloat16, float32 with oneDNN off."""
+    x = torch.randn(1, 8, 32)
+    low = x.bfloat16()
+
+    def per_call(run: Callable[[], Any]) -> float:
+        return min(timeit.repeat(run, number=2000, repeat=5)) / 2000 * 1e6
+
+    fp32, bf16 = per_call(lambda: F.gelu(x)), per_call(lambda: F.gelu(low))
+    with torch.backends.mkldnn.flags(enabled=False):
+        plain = per_call(lambda: F.gelu(x))
+    return f"F.gelu (1, 8, 32): float32 {fp32:.1f} us, bfloat16 {bf16:.1f} us, float32 oneDNN off {plain:.1f} us"
 
 
 def install() -> torch.library.Library:
@@ -88,10 +133,12 @@ def main() -> None:
         o1 = amp.auto_mixed_precision(model, "O1", torch.bfloat16)
         moded = amp.auto_mixed_precision(model, "O1", torch.bfloat16)
         _region(moded).kernels = False
+        low = kept_low(model)
         calls: dict[str, Callable[[], torch.Tensor]] = {
             "torch.autocast": autocast,
             "O1": lambda o1=o1, inputs=inputs: _call(o1, inputs),
             "mode": lambda moded=moded, inputs=inputs: _call(moded, inputs),
+            "kept low": lambda low=low, inputs=inputs: _call(low, inputs),
         }
         before[name] = time_rounds(calls, args.rounds, backward=False)
         with torch.no_grad():
@@ -100,7 +147,7 @@ def main() -> None:
     print("host time per forward, ratio to torch.autocast with PyTorch's kernels")
     print(
         f"{'model':8s} {'torch.autocast':>15s} {'mode':>8s} {'O1':>8s} {'cand. D':>8s}"
-        "  bit-identical"
+        f" {'kept low':>9s}  bit-identical"
     )
     for name, (model, inputs) in models.items():
         o1 = amp.auto_mixed_precision(model, "O1", torch.bfloat16)
@@ -126,9 +173,10 @@ def main() -> None:
         print(
             f"{name:8s} {base * 1e3:12.2f} ms {before[name]['mode'] / base:7.2f}x "
             f"{before[name]['O1'] / base:7.2f}x {after['candidate'] * scale / base:7.2f}x"
-            f"  {same[name]}"
+            f" {before[name]['kept low'] / base:8.2f}x  {same[name]}"
         )
     del library
+    print(gelu_costs())
 
 
 if __name__ == "__main__":

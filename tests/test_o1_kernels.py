@@ -5,7 +5,7 @@ compute what the torch-function mode (the path under ``torch.compile``) computes
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -204,6 +204,55 @@ def test_an_operator_pytorch_builds_from_a_listed_one_computes_that_part_low() -
         out = converted(torch.randn(3, 4), torch.randn(4, 5))
     assert computes.seen == {"mm": [BF16]}
     assert out.dtype == torch.float32
+
+
+class _Tagged(torch.Tensor):
+    """A wrapper tensor subclass with dispatch rules of its own (as torchao's float8
+    tensors and DTensor have): it records the dtypes its ``mm`` calls are given (its
+    results are plain tensors)."""
+
+    seen: ClassVar[list[tuple[torch.dtype, ...]]] = []
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> _Tagged:
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)  # type: ignore[attr-defined,no-any-return]
+
+    def __init__(self, elem: torch.Tensor) -> None:
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def unwrap(value: Any) -> Any:
+            return value.elem if isinstance(value, _Tagged) else value
+
+        args = torch.utils._pytree.tree_map(unwrap, args)
+        kwargs = torch.utils._pytree.tree_map(unwrap, kwargs or {})
+        if func.overloadpacket.__name__ == "mm":
+            cls.seen.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+        return func(*args, **kwargs)
+
+
+def test_a_listed_op_on_a_tensor_subclass_of_its_own_keeps_its_rules() -> None:
+    """A listed op with an operand that has dispatch rules of its own (also one inside a
+    TensorList) is handed on as it came: no operand cast, no result cast back."""
+
+    class Products(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = _Tagged(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.mm(x, self.w) + torch.einsum("ij,jk->ik", x, self.w)
+
+    model = Products()
+    converted = amp.auto_mixed_precision(model, "O1", "bf16")
+    assert _region(converted).kernels
+    x = torch.randn(2, 4)
+    _Tagged.seen.clear()
+    out, casts = count_casts(converted, x)
+    assert _Tagged.seen == [(torch.float32, torch.float32)]
+    assert casts.total == 0
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)  # einsum's part float32 too
 
 
 def test_each_conversion_applies_its_own_list() -> None:

@@ -95,6 +95,8 @@ class _Kernels:
                 for overload in packet.overloads():
                     if overload == "out" or overload.endswith("_out"):
                         continue
+                    if not _in_dispatcher(name, overload):  # TorchScript's own: einsum.sublist
+                        continue
                     op = getattr(packet, overload)
                     qualified = name if overload == "default" else f"{name}.{overload}"
                     self._library.impl(qualified, _kernel(op, name, self.keyset), self.key_name)
@@ -103,6 +105,18 @@ class _Kernels:
                 return False
             self.names.add(name)
         return True
+
+
+def _in_dispatcher(name: str, overload: str) -> bool:
+    """Whether the dispatcher has ``aten::<name>.<overload>`` (TorchScript lists a few
+    overloads of its own)."""
+    try:
+        torch._C._dispatch_find_schema_or_throw(
+            f"aten::{name}", "" if overload == "default" else overload
+        )
+    except RuntimeError:
+        return False
+    return True
 
 
 _KERNELS: _Kernels | None = None
@@ -129,7 +143,10 @@ def supports(names: Iterable[Any]) -> bool:
 
 def _kernel(op: Any, name: str, keyset: Any) -> Callable[..., Any]:
     """The kernel of ``op`` (``aten::<name>``): in the running call's state's list, its
-    floating operands cast down (each value once per call), its result cast back."""
+    floating operands cast down (each value once per call), its result cast back. The key
+    is excluded while it runs, so the ops a composite calls (``matmul``'s ``mm``) are
+    not listed again."""
+    call = op._op  # (the operator itself, without the overload object's Python frame)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         state = _LOCAL.state
@@ -138,26 +155,40 @@ def _kernel(op: Any, name: str, keyset: Any) -> Callable[..., Any]:
                 state is None
                 or state.suspended
                 or name not in state.names
-                or not only_plain_tensors(args, kwargs)
-            ):
-                return op(*args, **kwargs)
-            dtype = state.dtype
-            args = tuple([_down(state, a, dtype) for a in args])
+                or not (_plain(args) and (not kwargs or _plain(kwargs.values())))
+            ):  # (a tensor subclass of its own, torchao's float8 or DTensor: its rules)
+                return call(*args, **kwargs)
+            low = [_down(state, value) for value in args]
             if kwargs:
-                kwargs = {k: _down(state, v, dtype) for k, v in kwargs.items()}
-            out = op(*args, **kwargs)
+                kwargs = {key: _down(state, value) for key, value in kwargs.items()}
+            out = call(*low, **kwargs)
             return state.cast_back(out) if state.back else out
 
     return kernel
 
 
-def _down(state: RuntimeListMode, value: Any, dtype: torch.dtype) -> Any:
+#: Types told apart by type alone on the hot path: tensors with no rules of their own,
+#: and the non-tensor operands ops take (anything else asks ``only_plain_tensors``).
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str))
+
+
+def _plain(values: Iterable[Any]) -> bool:
+    """No operand (nor a TensorList's item) is a tensor subclass with rules of its own."""
+    for value in values:
+        if type(value) not in _PLAIN and not only_plain_tensors((value,), {}):
+            return False
+    return True
+
+
+def _down(state: RuntimeListMode, value: Any) -> Any:
     """One operand of a listed op: a floating tensor (not float64), or each in a
-    TensorList, cast to ``dtype`` once per call."""
+    TensorList, cast down once per call."""
+    if type(value) in _PLAIN:
+        return state.down(value) if isinstance(value, torch.Tensor) else value
     if isinstance(value, torch.Tensor):
         return state.down(value)
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
-        return type(value)(_down(state, item, dtype) for item in value)  # einsum's operands
+        return type(value)(_down(state, item) for item in value)  # einsum's operands
     return value
 
 

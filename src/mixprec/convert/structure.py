@@ -126,17 +126,18 @@ def takes_hook_path(module: nn.Module, forward: object) -> bool:
     """Whether a call of ``module`` (converted, its ``forward`` the object ``forward``)
     must go through ``nn.Module._call_impl``: hooks on it, global module hooks, a
     TorchScript trace running, or a ``forward`` set on it since (which then runs)."""
+    slots = module.__dict__  # (read directly: a module's attribute lookup takes longer)
     return bool(
-        module._forward_pre_hooks
-        or module._forward_hooks
-        or module._backward_pre_hooks
-        or module._backward_hooks
+        slots["_forward_pre_hooks"]
+        or slots["_forward_hooks"]
+        or slots["_backward_pre_hooks"]
+        or slots["_backward_hooks"]
         or module_hooks._global_forward_pre_hooks
         or module_hooks._global_forward_hooks
         or module_hooks._global_backward_pre_hooks
         or module_hooks._global_backward_hooks
+        or slots.get("forward") is not forward
         or torch._C._get_tracing_state()
-        or module.__dict__.get("forward") is not forward
     )
 
 
