@@ -24,7 +24,8 @@ bit-identical): the difference to "O1" is what O1's float32 rule costs (the cast
 the ops after them computing in float32). The last line times ``F.gelu`` on a (1, 8, 32)
 tensor in float32, in bfloat16 and in float32 with oneDNN off: on CPU PyTorch runs a float32
 GELU through oneDNN, whose fixed cost per call O1 (GELU computes in float32 there) pays and
-``torch.autocast`` (GELU follows its bfloat16 input) does not.
+``torch.autocast`` (GELU follows its bfloat16 input) does not. And one listed op's kernel:
+``F.scaled_dot_product_attention`` timed outside and inside a converted call.
 
 Run: python benchmarks/bench_o1_autocast_kernels.py [--models gpt2,bert] [--rounds 40]
 """
@@ -92,6 +93,26 @@ def gelu_costs() -> str:
     with torch.backends.mkldnn.flags(enabled=False):
         plain = per_call(lambda: F.gelu(x))
     return f"F.gelu (1, 8, 32): float32 {fp32:.1f} us, bfloat16 {bf16:.1f} us, float32 oneDNN off {plain:.1f} us"
+
+
+def kernel_cost() -> str:
+    """Microseconds per ``F.scaled_dot_product_attention`` call on (1, 2, 8, 8) bfloat16
+    tensors (no cast to make), outside and inside a converted call (its O1 kernel: the
+    call's state read, the operands looked at, the result cast back)."""
+    from mixprec.convert import dispatch
+
+    q = torch.randn(1, 2, 8, 8).bfloat16()
+    region = _region(amp.auto_mixed_precision(torch.nn.Linear(2, 2), "O1", torch.bfloat16))
+
+    def per_call() -> float:
+        run = lambda: F.scaled_dot_product_attention(q, q, q)  # noqa: E731
+        return min(timeit.repeat(run, number=3000, repeat=9)) / 3000 * 1e6
+
+    with torch.no_grad():
+        outside = per_call()
+        with dispatch.ListRegion(region.mode()):
+            inside = per_call()
+    return f"sdpa (1, 2, 8, 8) bfloat16: {outside:.1f} us outside a converted call, {inside:.1f} us inside"
 
 
 def install() -> torch.library.Library:
@@ -177,6 +198,7 @@ def main() -> None:
         )
     del library
     print(gelu_costs())
+    print(kernel_cost())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,127 @@
+"""Host work per forward as CPU instructions: every level vs torch.autocast, free of noise.
+
+Timings on a shared machine move by 10% from run to run; the instructions a forward
+executes do not. Each column runs in a process of its own under valgrind's callgrind, which
+counts the instructions of a loop of forwards only (collection is switched on around the
+loop, after warm-up calls): interpreter, dispatcher, allocator and kernels together. On these
+tiny models the kernels are a small share, so the ratio is the host work's.
+
+The default model is the small ResNet-like CNN of ``bench_overhead.py`` (no transformers
+import, whose start-up under valgrind takes minutes); ``--models gpt2`` works too, slowly.
+Needs valgrind (``valgrind --version``); takes a few minutes per column.
+
+Run: python benchmarks/bench_instructions.py [--models resnet] [--calls 10]
+[--columns ac,O1,autocast,O2,O3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+NAMES = {"ac": "torch.autocast", "bf16": "bf16 model"}
+
+
+def child(model_name: str, column: str, calls: int) -> None:
+    """Run inside valgrind: warm up, then ``calls`` forwards with collection on."""
+    import torch
+
+    import mixprec as amp
+    from bench_overhead import _call, _first_tensor, build
+
+    torch.set_num_threads(1)
+    model, inputs = build(model_name)
+    if column == "ac":
+
+        def call() -> torch.Tensor:
+            with torch.autocast("cpu", torch.bfloat16):
+                return _first_tensor(model(**inputs))
+
+    elif column == "bf16":
+        low = model.to(torch.bfloat16)
+        low_inputs = {k: v.bfloat16() if v.is_floating_point() else v for k, v in inputs.items()}
+
+        def call() -> torch.Tensor:
+            return _first_tensor(low(**low_inputs))
+
+    else:
+        converted = amp.auto_mixed_precision(model, column, torch.bfloat16)
+
+        def call() -> torch.Tensor:
+            return _call(converted, inputs)
+
+    with torch.no_grad():
+        for _ in range(3):
+            call()
+        torch._C._valgrind_toggle()
+        for _ in range(calls):
+            call()
+        torch._C._valgrind_toggle()
+
+
+def count(model_name: str, column: str, calls: int) -> int:
+    """Instructions of ``calls`` forwards of one column, counted by callgrind."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "callgrind.out")
+        done = subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--collect-atstart=no",
+                f"--callgrind-out-file={out}",
+                sys.executable,
+                __file__,
+                "--child",
+                model_name,
+                column,
+                str(calls),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
+        found = re.search(r"Collected : (\d+)", done.stderr)
+        if found is None:
+            raise RuntimeError(f"callgrind reported no count for {column}:\n{done.stderr[-2000:]}")
+        return int(found.group(1))
+
+
+def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="resnet")
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--columns", default="ac,bf16,O1,autocast,O2,O3")
+    args = parser.parse_args()
+    columns = args.columns.split(",")
+    print("instructions per forward (no grad, callgrind), ratio to torch.autocast")
+    print(f"{'model':8s}" + "".join(f"{NAMES.get(c, c):>16s}" for c in columns))
+    for model_name in args.models.split(","):
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            counts = dict(
+                zip(
+                    columns,
+                    pool.map(lambda c, m=model_name: count(m, c, args.calls), columns),
+                    strict=True,
+                )
+            )
+        base = counts.get("ac")
+        cells = []
+        for column in columns:
+            per_call = counts[column] / args.calls
+            ratio = f" ({counts[column] / base:.2f}x)" if base else ""
+            cells.append(f"{per_call / 1e3:9.0f}k{ratio}")
+        print(f"{model_name:8s}" + "".join(f"{cell:>16s}" for cell in cells))
+
+
+if __name__ == "__main__":
+    main()
