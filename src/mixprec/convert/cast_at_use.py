@@ -80,8 +80,10 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 def _tracing() -> bool:
     """Under ``torch.compile`` (TorchDynamo), which graph-breaks on thread-local state and
     on entering a mode: weights are cast at each read, inside the graph, and mixed
-    operands are not rewritten. ``torch.export`` (non-strict) runs the eager path."""
-    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+    operands are not rewritten. ``torch.export`` (non-strict) runs the eager path.
+    (``is_dynamo_compiling``: TorchDynamo's own flag, one Python call where
+    ``is_compiling`` makes two; the same answer here, as non-strict export is excluded.)"""
+    return torch.compiler.is_dynamo_compiling() and not torch.compiler.is_exporting()
 
 
 def _version(tensor: torch.Tensor) -> int:
@@ -255,7 +257,7 @@ class LowParameters(dict[str, Any]):
 
     def __getitem__(self, name: str) -> Any:
         value = dict.__getitem__(self, name)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():  # (non-strict export: the eager path)
             if value is None or name in self.kept:
                 return value
             if torch.compiler.is_exporting():
@@ -624,11 +626,15 @@ class ModuleCall:
         runs the hooks around the module's ``forward``."""
         if not _mixprec_hooked and takes_hook_path(self.module, self):
             return nn.Module._call_impl(self.module, *args, **kwargs)
-        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
-            return _compiled_call(self, _SPECS[self.code], args, kwargs)
+        if torch.compiler.is_dynamo_compiling() and not torch.compiler.is_exporting():
+            return _compiled_call(self, _SPECS[self.code], args, kwargs)  # (_tracing, inline)
         if self.nested:
             frame = getattr(self.local, "frame", None)
-            if frame is not None and frame.depth and not (self.float32 and _outer_autocast()):
+            if (
+                frame is not None
+                and frame.depth
+                and not (self.float32 and torch._C._is_any_autocast_enabled())
+            ):
                 # a submodule called by its parent: the hot path
                 dtype = self.dtype
                 if dtype is not None:
