@@ -10,8 +10,11 @@ The default model is the small ResNet-like CNN of ``bench_overhead.py`` (no tran
 import, whose start-up under valgrind takes minutes); ``--models gpt2`` works too, slowly.
 Needs valgrind (``valgrind --version``); takes a few minutes per column.
 
+``--python-calls`` prints instead, with no valgrind, the Python-level calls (functions and
+builtins, counted by ``cProfile``) one forward of each column makes.
+
 Run: python benchmarks/bench_instructions.py [--models resnet] [--calls 10]
-[--columns ac,O1,autocast,O2,O3]
+[--columns ac,bf16,O1,autocast,O2,O3] [--python-calls]
 """
 
 from __future__ import annotations
@@ -22,19 +25,20 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 NAMES = {"ac": "torch.autocast", "bf16": "bf16 model"}
 
 
-def child(model_name: str, column: str, calls: int) -> None:
-    """Run inside valgrind: warm up, then ``calls`` forwards with collection on."""
+def forward_of(model_name: str, column: str) -> Callable[[], Any]:
+    """One no-argument forward of ``column`` on a fresh ``model_name``."""
     import torch
 
     import mixprec as amp
     from bench_overhead import _call, _first_tensor, build
 
-    torch.set_num_threads(1)
     model, inputs = build(model_name)
     if column == "ac":
 
@@ -55,6 +59,15 @@ def child(model_name: str, column: str, calls: int) -> None:
         def call() -> torch.Tensor:
             return _call(converted, inputs)
 
+    return call
+
+
+def child(model_name: str, column: str, calls: int) -> None:
+    """Run inside valgrind: warm up, then ``calls`` forwards with collection on."""
+    import torch
+
+    torch.set_num_threads(1)
+    call = forward_of(model_name, column)
     with torch.no_grad():
         for _ in range(3):
             call()
@@ -92,6 +105,32 @@ def count(model_name: str, column: str, calls: int) -> int:
         return int(found.group(1))
 
 
+def python_calls(models: list[str], columns: list[str], calls: int) -> None:
+    """Print the Python-level calls per forward of each column (``cProfile``)."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    print("Python-level calls per forward (functions and builtins, cProfile; no grad)")
+    print(f"{'model':8s}" + "".join(f"{NAMES.get(c, c):>16s}" for c in columns))
+    for model_name in models:
+        cells = []
+        for column in columns:
+            call = forward_of(model_name, column)
+            with torch.no_grad():
+                for _ in range(3):
+                    call()
+                profile = cProfile.Profile()
+                profile.enable()
+                for _ in range(calls):
+                    call()
+                profile.disable()
+            made = sum(row[1] for row in pstats.Stats(profile).stats.values())  # type: ignore[attr-defined]
+            cells.append(f"{made / calls:.0f}")
+        print(f"{model_name:8s}" + "".join(f"{cell:>16s}" for cell in cells))
+
+
 def main() -> None:
     if len(sys.argv) == 5 and sys.argv[1] == "--child":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -101,8 +140,12 @@ def main() -> None:
     parser.add_argument("--models", default="resnet")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--columns", default="ac,bf16,O1,autocast,O2,O3")
+    parser.add_argument("--python-calls", action="store_true", help="cProfile call counts")
     args = parser.parse_args()
     columns = args.columns.split(",")
+    if args.python_calls:
+        python_calls(args.models.split(","), columns, args.calls)
+        return
     print("instructions per forward (no grad, callgrind), ratio to torch.autocast")
     print(f"{'model':8s}" + "".join(f"{NAMES.get(c, c):>16s}" for c in columns))
     for model_name in args.models.split(","):
