@@ -49,9 +49,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.compiler as _compiler
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.compiler import is_dynamo_compiling as _dynamo_compiling
 from torch.nn.modules.module import _global_forward_hooks
 
 from mixprec._warn import warn
@@ -296,13 +298,13 @@ class ListedForward(ForwardBase):
             return nn.Module._call_impl(self.module, *args, **kwargs)
         local = self.region.local
         if self.as_written or (self.may_get_nested and any_nested(args, kwargs)):
-            depth, local.depth = getattr(local, "depth", 0), 0  # children enter afresh
+            depth, local.depth = local.depth, 0  # children enter afresh
             try:
                 with standing_aside():
                     return type(self.module).forward(self.module, *args, **kwargs)
             finally:
                 local.depth = depth
-        if getattr(local, "depth", 0):  # inside the model: the region's mode is active
+        if local.depth:  # inside the model: the region's mode is active
             if (
                 self.relu
                 and self.region.kernels
@@ -310,7 +312,7 @@ class ListedForward(ForwardBase):
                 and not kwargs
                 and not self.module.inplace
             ):
-                out = _direct_relu(local.mode, args[0])
+                out = _direct_relu(local.mode, args[0], self.region.keyset)
                 if out is not NotImplemented:
                     return out
             return type(self.module).forward(self.module, *args, **kwargs)
@@ -410,10 +412,14 @@ class WhiteForward(ForwardBase):
         here as its operator's kernel would cast them, with no kernel: the same casts, the
         same result (low), one Python call fewer. NotImplemented where the kernel decides
         (under ``torch.compile``, a tensor subclass, a padding mode of its own)."""
-        if torch.compiler.is_compiling() or not self.region.kernels:
-            return NotImplemented
+        if _dynamo_compiling() or _compiler._is_compiling_flag or not self.region.kernels:
+            return NotImplemented  # (is_compiling(), one Python call where it makes two)
         module: Any = self.module
-        weight, bias = module.weight, module.bias
+        # read directly: ``module.weight`` takes a Python call (``.get``'s default would
+        # make that call every time)
+        params = module._parameters
+        weight = params["weight"] if "weight" in params else module.weight  # noqa: SIM401
+        bias = params["bias"] if "bias" in params else module.bias  # noqa: SIM401
         if (
             type(x) is not torch.Tensor
             or type(weight) is not nn.Parameter
@@ -470,19 +476,24 @@ _ONE_CALL_LAYERS: tuple[tuple[type[nn.Module], Callable[..., Any]], ...] = (
 )
 
 
-def _direct_relu(mode: RuntimeListMode | None, x: Any) -> Any:
+def _direct_relu(mode: RuntimeListMode | None, x: Any, keyset: Any) -> Any:
     """``nn.ReLU``'s one call as its kernel makes it (input cast down once per call, result
     cast back), with no kernel; NotImplemented where the kernel decides."""
     if (
         mode is None
-        or not isinstance(x, torch.Tensor)
-        or torch.compiler.is_compiling()
-        or not (type(x) is torch.Tensor or only_plain_tensors((x,), {}))
+        or _dynamo_compiling()
+        or _compiler._is_compiling_flag
+        or not (
+            type(x) is torch.Tensor
+            or (isinstance(x, torch.Tensor) and only_plain_tensors((x,), {}))
+        )
     ):
         return NotImplemented
-    with dispatch.aside():
+    with torch._C._ExcludeDispatchKeyGuard(keyset):
         out = torch.relu(mode.down(x))
-        return mode.cast_back(out) if mode.back else out
+        if not mode.back:
+            return out
+        return mode.cast_back_eager(out) if type(out) is torch.Tensor else mode.cast_back(out)
 
 
 def _direct_kind(module: nn.Module) -> str | None:

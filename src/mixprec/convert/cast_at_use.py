@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.compiler import is_dynamo_compiling as _dynamo_compiling
 from torch.overrides import TorchFunctionMode
 
 from mixprec._warn import warn
@@ -115,6 +116,14 @@ class _Frame:
         self.extra: TorchFunctionMode | None = None  # the emulation mode, when emulated
 
 
+class _CastLocal(threading.local):
+    """One conversion's per-thread state: each thread's frame exists from its first read
+    (so the hot path reads ``local.frame`` with no default to supply)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.frame = _Frame(MixedOperands(dtype))
+
+
 class CastState:
     """Which threads are inside a call of one conversion, and their weight casts.
 
@@ -124,9 +133,8 @@ class CastState:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self._local = threading.local()
         # this thread's frame exists from the start, so a compiled caller sees one state
-        self._local.frame = _Frame(MixedOperands(dtype))
+        self._local = _CastLocal(dtype)
         # makes the mode an emulated conversion's calls run under (emulate=True)
         self.emulation: Callable[[], TorchFunctionMode] | None = None
         self.warned = False  # the outer-autocast warning, once per conversion
@@ -139,15 +147,13 @@ class CastState:
 
     def frame(self) -> _Frame | None:
         """This thread's running call, or None outside every call."""
-        frame: _Frame | None = getattr(self._local, "frame", None)
-        return frame if frame is not None and frame.depth > 0 else None
+        frame: _Frame = self._local.frame
+        return frame if frame.depth > 0 else None
 
     def enter(self) -> _Frame:
         """Mark a module call of this conversion as running in this thread (pair with
         :meth:`exit` in a ``finally``)."""
-        frame: _Frame | None = getattr(self._local, "frame", None)
-        if frame is None:
-            frame = self._local.frame = _Frame(MixedOperands(self.dtype))
+        frame: _Frame = self._local.frame
         frame.depth += 1
         if frame.depth == 1:
             frame.mode.__enter__()
@@ -257,7 +263,7 @@ class LowParameters(dict[str, Any]):
 
     def __getitem__(self, name: str) -> Any:
         value = dict.__getitem__(self, name)
-        if torch.compiler.is_dynamo_compiling():  # (non-strict export: the eager path)
+        if _dynamo_compiling():  # (non-strict export: the eager path)
             if value is None or name in self.kept:
                 return value
             if torch.compiler.is_exporting():
@@ -266,8 +272,8 @@ class LowParameters(dict[str, Any]):
             return to_dtype(value, self.state.dtype) if is_castable(value) else value
         if value is None or name in self.kept:
             return value
-        frame = getattr(self.local, "frame", None)
-        if frame is None or not frame.depth:
+        frame = self.local.frame
+        if not frame.depth:
             return value
         hit = frame.casts.get(id(value))
         if hit is not None and hit[0] is value:
@@ -626,20 +632,18 @@ class ModuleCall:
         runs the hooks around the module's ``forward``."""
         if not _mixprec_hooked and takes_hook_path(self.module, self):
             return nn.Module._call_impl(self.module, *args, **kwargs)
-        if torch.compiler.is_dynamo_compiling() and not torch.compiler.is_exporting():
+        if _dynamo_compiling() and not torch.compiler.is_exporting():
             return _compiled_call(self, _SPECS[self.code], args, kwargs)  # (_tracing, inline)
         if self.nested:
-            frame = getattr(self.local, "frame", None)
-            if (
-                frame is not None
-                and frame.depth
-                and not (self.float32 and torch._C._is_any_autocast_enabled())
-            ):
+            frame = self.local.frame
+            if frame.depth and not (self.float32 and torch._C._is_any_autocast_enabled()):
                 # a submodule called by its parent: the hot path
                 dtype = self.dtype
                 if dtype is not None:
-                    if self.island:
-                        return self._island(frame, args, kwargs)
+                    if self.island:  # (its caller under the mode: set aside for the island)
+                        if frame.active:
+                            return self._moded(frame, False, args, kwargs, self._island_body)
+                        return self._island_body(args, kwargs)
                     if (
                         kwargs
                         or len(args) != 1
@@ -666,16 +670,11 @@ class ModuleCall:
         and what ``module.forward(...)`` calls)."""
         return self.call_impl(*args, _mixprec_hooked=True, **kwargs)
 
-    def _island(self, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """An island inside a running call (with no outer autocast, which the hot path
-        checked): its inputs cast to its dtype (or, for a norm whose kernel computes in
-        float32 from a low input, taken as they are), its own code run with no mode, its
-        outputs cast back."""
-        if frame.active:  # its caller runs under the mode: set it aside for the island
-            return self._moded(frame, False, args, kwargs, self._island_body)
-        return self._island_body(args, kwargs)
-
     def _island_body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """An island inside a running call (with no outer autocast, which the hot path
+        checked, and the mode set aside): its inputs cast to its dtype (or, for a norm
+        whose kernel computes in float32 from a low input, taken as they are), its own
+        code run, its outputs cast back."""
         fused = self.fused
         if (
             fused
@@ -794,8 +793,8 @@ class ModuleCall:
 
     def _own(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.fast_path:
-            frame = getattr(self.local, "frame", None)
-            if frame is not None and frame.active:
+            frame = self.local.frame
+            if frame.active:
                 return self._moded(frame, False, args, kwargs)
         return self._plain(args, kwargs)
 
