@@ -263,15 +263,13 @@ class LowParameters(dict[str, Any]):
 
     def __getitem__(self, name: str) -> Any:
         value = dict.__getitem__(self, name)
+        if value is None or name in self.kept:
+            return value
         if _dynamo_compiling():  # (non-strict export: the eager path)
-            if value is None or name in self.kept:
-                return value
             if torch.compiler.is_exporting():
                 frame = self.state.frame()
                 return value if frame is None else self.state.low(value, frame)
             return to_dtype(value, self.state.dtype) if is_castable(value) else value
-        if value is None or name in self.kept:
-            return value
         frame = self.local.frame
         if not frame.depth:
             return value

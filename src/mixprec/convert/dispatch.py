@@ -155,14 +155,23 @@ def _kernel(op: Any, name: str, keyset: Any) -> Callable[..., Any]:
                 state is None
                 or state.suspended
                 or name not in state.names
-                or not (_plain(args) and (not kwargs or _plain(kwargs.values())))
+                or not (
+                    (_PLAIN.issuperset(map(type, args)) or _plain(args))
+                    and (not kwargs or _plain(kwargs.values()))
+                )
             ):  # (a tensor subclass of its own, torchao's float8 or DTensor: its rules)
                 return call(*args, **kwargs)
-            low = [_down(state, value) for value in args]
+            down = state.down
+            low = [
+                down(value) if type(value) in _TENSORS else _down(state, value) for value in args
+            ]
             if kwargs:
                 kwargs = {key: _down(state, value) for key, value in kwargs.items()}
             out = call(*low, **kwargs)
-            return state.cast_back(out) if state.back else out
+            if not state.back:
+                return out
+            # (never under the compiler, which runs the mode: the eager cast back directly)
+            return state.cast_back_eager(out) if type(out) is torch.Tensor else state.cast_back(out)
 
     return kernel
 
@@ -170,6 +179,7 @@ def _kernel(op: Any, name: str, keyset: Any) -> Callable[..., Any]:
 #: Types told apart by type alone on the hot path: tensors with no rules of their own,
 #: and the non-tensor operands ops take (anything else asks ``only_plain_tensors``).
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str))
+_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def _plain(values: Iterable[Any]) -> bool:

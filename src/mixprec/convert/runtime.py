@@ -171,7 +171,12 @@ class RuntimeListMode(TorchFunctionMode):
             return hit[2]
         base = leaf._base
         cast = None
-        if base is not None and not leaf.requires_grad and type(leaf) in _plain_types():
+        if (
+            base is not None
+            and (id(base), dtype) in self.memo  # (the view's base was cast: look closer)
+            and not leaf.requires_grad
+            and type(leaf) in _plain_types()
+        ):
             cast = self._view_of_cast(leaf, base, dtype)
         if cast is None:
             cast = to_dtype(leaf, dtype)
