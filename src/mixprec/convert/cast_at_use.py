@@ -48,12 +48,17 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 from torch.compiler import is_dynamo_compiling as _dynamo_compiling
+from torch.nn.modules.module import (
+    _global_backward_hooks,
+    _global_backward_pre_hooks,
+    _global_forward_hooks,
+    _global_forward_pre_hooks,
+)
 from torch.overrides import TorchFunctionMode
 
 from mixprec._warn import warn
-from mixprec.convert.structure import takes_hook_path
 from mixprec.policy import lists
-from mixprec.policy.dtypes import _CASTABLE, is_castable, to_dtype
+from mixprec.policy.dtypes import _CAST_METHODS, _CASTABLE, is_castable, to_dtype
 from mixprec.policy.ops import cast_tree, only_plain_tensors, op_name
 
 __all__ = [
@@ -198,12 +203,13 @@ def _cast_for(frame: _Frame, tensor: torch.Tensor, dtype: torch.dtype) -> torch.
     (and its version, to find a write the forward makes into it)."""
     low = tensor
     if tensor.dtype is not dtype and tensor.dtype in _CASTABLE:
+        cast = _CAST_METHODS[dtype]  # (a low dtype: its method, with no to_dtype call)
         if torch._C._len_torch_function_stack() or type(tensor) not in _NO_TORCH_FUNCTION:
             # mixprec's own bookkeeping is not the model's code: no mode need see it
             with torch._C.DisableTorchFunction():
-                low = to_dtype(tensor, dtype)
+                low = cast(tensor)
         else:  # (no mode on, and a Parameter's torch-function handling is off)
-            low = to_dtype(tensor, dtype)
+            low = cast(tensor)
     try:
         version = low._version
     except RuntimeError:  # an inference tensor has no version counter
@@ -628,8 +634,21 @@ class ModuleCall:
         and this object still its ``forward``, it does the forward's work itself, one
         Python frame where ``nn.Module`` takes two; otherwise ``nn.Module._call_impl``
         runs the hooks around the module's ``forward``."""
-        if not _mixprec_hooked and takes_hook_path(self.module, self):
-            return nn.Module._call_impl(self.module, *args, **kwargs)
+        if not _mixprec_hooked:
+            slots = self.module.__dict__  # (structure.takes_hook_path, inline: the hot call)
+            if (
+                slots["_forward_pre_hooks"]
+                or slots["_forward_hooks"]
+                or slots["_backward_pre_hooks"]
+                or slots["_backward_hooks"]
+                or _global_forward_pre_hooks
+                or _global_forward_hooks
+                or _global_backward_pre_hooks
+                or _global_backward_hooks
+                or slots.get("forward") is not self
+                or torch._C._get_tracing_state()
+            ):
+                return nn.Module._call_impl(self.module, *args, **kwargs)
         if _dynamo_compiling() and not torch.compiler.is_exporting():
             return _compiled_call(self, _SPECS[self.code], args, kwargs)  # (_tracing, inline)
         if self.nested:
