@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode, get_overridable_functions
 
 from mixprec.convert import dispatch
 from mixprec.convert.structure import takes_hook_path
-from mixprec.policy.dtypes import is_castable, to_dtype
+from mixprec.policy.dtypes import _CAST_METHODS, is_castable, to_dtype
 from mixprec.policy.levels import Level, Precision, Recipe
 from mixprec.policy.ops import (
     _plain_types,
@@ -179,7 +179,8 @@ class RuntimeListMode(TorchFunctionMode):
         ):
             cast = self._view_of_cast(leaf, base, dtype)
         if cast is None:
-            cast = to_dtype(leaf, dtype)
+            method = _CAST_METHODS.get(dtype)  # (to_dtype, inline: once per cast)
+            cast = leaf.to(dtype) if method is None else method(leaf)
         self.memo[key] = (leaf, version, cast)
         return cast
 

@@ -1,0 +1,120 @@
+"""The guard check of a compiled call, timed alone: the original vs every level.
+
+Before each call of a compiled function TorchDynamo checks the guards of its graph. On a
+tiny model that check is a large share of a compiled call (see ``bench_compile.py``). Here
+it is timed by itself: each column is a function ``run(model, x)`` compiled with the
+``eager`` backend (the guards do not depend on the backend), and the check of its one cache
+entry is called directly on that call's arguments, 500 times; the median is printed.
+
+The column "bound forward" is the original with each module's ``forward`` an instance
+attribute (a bound method of one shared function that calls the class's forward): the
+least a per-module wrapper can be. It shows what any object in a module's instance
+``__dict__`` that refers back to the module costs: TorchDynamo reaches the module by two
+sources (``parent._modules[name]`` and ``module.forward.__self__``), adds an aliasing guard
+for the pair, which it checks in Python after its C++ guard tree, and stops skipping that
+subtree's guards by the dictionary version tags it checks otherwise.
+
+Run: python benchmarks/bench_guards.py [--models nested,bert] [--checks 500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+import mixprec as amp
+from bench_overhead import LEVELS, build
+
+
+def _nested() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """60 modules: twelve blocks of a Linear, a Sequential(Linear, GELU) and a Linear."""
+    torch.manual_seed(0)
+    blocks = [
+        nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.GELU()), nn.Linear(4, 4))
+        for _ in range(12)
+    ]
+    return nn.Sequential(*blocks), {"input": torch.randn(2, 4)}
+
+
+def _bound_forwards(model: nn.Module) -> nn.Module:
+    """``model`` with each module's ``forward`` an instance attribute: a bound method of
+    one function, which calls the class's own forward."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return type(self).forward(self, *args, **kwargs)
+
+    for module in model.modules():
+        module.__dict__["forward"] = types.MethodType(forward, module)
+    return model
+
+
+def _run(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
+    return model(**inputs)
+
+
+def _run_autocast(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
+    with torch.autocast("cpu", torch.bfloat16):
+        return model(**inputs)
+
+
+def check_time(
+    run: Callable[..., Any], model: nn.Module, inputs: dict[str, torch.Tensor], checks: int
+) -> float:
+    """Median seconds of one guard check of ``run(model, inputs)`` compiled."""
+    torch._dynamo.reset()
+    compiled = torch.compile(run, backend="eager")
+    with torch.no_grad():
+        compiled(model, inputs)
+    entries = _debug_get_cache_entry_list(run.__code__)
+    if len(entries) != 1:
+        raise RuntimeError(f"expected one compiled graph, found {len(entries)}")
+    guards = entries[0].guard_manager
+    frame = {"model": model, "inputs": inputs}
+    times = []
+    with torch.no_grad():  # (the grad mode is one of the guards)
+        if not guards.check(frame):
+            raise RuntimeError("the guards reject the call they were made for")
+        for _ in range(checks):
+            start = time.perf_counter()
+            guards.check(frame)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="nested,bert")
+    parser.add_argument("--checks", type=int, default=500)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    names = ("original", "bound forward", *LEVELS)
+    print("guard check per compiled call, us (median); the original's under torch.autocast")
+    print(f"{'model':8s}" + "".join(f"{n:>15s}" for n in names))
+    for model_name in args.models.split(","):
+        model, inputs = _nested() if model_name == "nested" else build(model_name)
+        times = [
+            check_time(_run_autocast, model, inputs, args.checks),
+            check_time(_run_autocast, _bound_forwards(build_again(model_name)), inputs, args.checks),
+        ]
+        for level in LEVELS:
+            converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+            times.append(check_time(_run, converted, inputs, args.checks))
+        print(f"{model_name:8s}" + "".join(f"{t * 1e6:15.1f}" for t in times), flush=True)
+
+
+def build_again(model_name: str) -> nn.Module:
+    """A fresh copy of the model (same seed), for the column that edits it."""
+    return _nested()[0] if model_name == "nested" else build(model_name)[0]
+
+
+if __name__ == "__main__":
+    main()
