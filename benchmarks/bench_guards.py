@@ -103,7 +103,9 @@ def main() -> None:
         model, inputs = _nested() if model_name == "nested" else build(model_name)
         times = [
             check_time(_run_autocast, model, inputs, args.checks),
-            check_time(_run_autocast, _bound_forwards(build_again(model_name)), inputs, args.checks),
+            check_time(
+                _run_autocast, _bound_forwards(build_again(model_name)), inputs, args.checks
+            ),
         ]
         for level in LEVELS:
             converted = amp.auto_mixed_precision(model, level, torch.bfloat16)

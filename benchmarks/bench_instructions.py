@@ -13,8 +13,11 @@ Needs valgrind (``valgrind --version``); takes a few minutes per column.
 ``--python-calls`` prints instead, with no valgrind, the Python-level calls (functions and
 builtins, counted by ``cProfile``) one forward of each column makes.
 
+``--grad`` counts training forwards (grad on: each cast also records its backward) instead
+of ``no_grad`` ones.
+
 Run: python benchmarks/bench_instructions.py [--models resnet] [--calls 10]
-[--columns ac,bf16,O1,autocast,O2,O3] [--python-calls]
+[--columns ac,bf16,O1,autocast,O2,O3] [--python-calls] [--grad]
 """
 
 from __future__ import annotations
@@ -62,13 +65,13 @@ def forward_of(model_name: str, column: str) -> Callable[[], Any]:
     return call
 
 
-def child(model_name: str, column: str, calls: int) -> None:
+def child(model_name: str, column: str, calls: int, grad: bool) -> None:
     """Run inside valgrind: warm up, then ``calls`` forwards with collection on."""
     import torch
 
     torch.set_num_threads(1)
     call = forward_of(model_name, column)
-    with torch.no_grad():
+    with torch.enable_grad() if grad else torch.no_grad():
         for _ in range(3):
             call()
         torch._C._valgrind_toggle()
@@ -77,7 +80,7 @@ def child(model_name: str, column: str, calls: int) -> None:
         torch._C._valgrind_toggle()
 
 
-def count(model_name: str, column: str, calls: int) -> int:
+def count(model_name: str, column: str, calls: int, grad: bool = False) -> int:
     """Instructions of ``calls`` forwards of one column, counted by callgrind."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "callgrind.out")
@@ -93,6 +96,7 @@ def count(model_name: str, column: str, calls: int) -> int:
                 model_name,
                 column,
                 str(calls),
+                "grad" if grad else "nograd",
             ],
             capture_output=True,
             text=True,
@@ -132,28 +136,32 @@ def python_calls(models: list[str], columns: list[str], calls: int) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "grad")
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--columns", default="ac,bf16,O1,autocast,O2,O3")
     parser.add_argument("--python-calls", action="store_true", help="cProfile call counts")
+    parser.add_argument(
+        "--grad", action="store_true", help="training forwards (grad on), not no_grad"
+    )
     args = parser.parse_args()
     columns = args.columns.split(",")
     if args.python_calls:
         python_calls(args.models.split(","), columns, args.calls)
         return
-    print("instructions per forward (no grad, callgrind), ratio to torch.autocast")
+    mode = "grad on" if args.grad else "no grad"
+    print(f"instructions per forward ({mode}, callgrind), ratio to torch.autocast")
     print(f"{'model':8s}" + "".join(f"{NAMES.get(c, c):>16s}" for c in columns))
     for model_name in args.models.split(","):
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             counts = dict(
                 zip(
                     columns,
-                    pool.map(lambda c, m=model_name: count(m, c, args.calls), columns),
+                    pool.map(lambda c, m=model_name: count(m, c, args.calls, args.grad), columns),
                     strict=True,
                 )
             )
