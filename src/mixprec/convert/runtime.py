@@ -157,10 +157,16 @@ class RuntimeListMode(TorchFunctionMode):
             return leaf.to(dtype)  # and a dict it traced through would need guards
         return self.cast_eager(leaf, dtype)
 
-    def cast_eager(self, leaf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """:meth:`cast_value` of a floating ``leaf`` (not float64, not ``dtype``) outside
-        ``torch.compile``. An inference tensor (no version counter, so no way to see a
-        write into it) is cast at each use."""
+    def cast_eager(self, leaf: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """:meth:`cast_value` outside ``torch.compile``: ``leaf`` cast to ``dtype`` (by
+        default the low dtype) once per call; ``leaf`` itself when it is not floating, is
+        float64 or is ``dtype`` already. An inference tensor (no version counter, so no way
+        to see a write into it) is cast at each use."""
+        if dtype is None:
+            dtype = self.dtype
+        have = leaf.dtype
+        if have is dtype or not have.is_floating_point or have is torch.float64:
+            return leaf
         key = (id(leaf), dtype)
         hit = self.memo.get(key)
         try:
@@ -184,13 +190,9 @@ class RuntimeListMode(TorchFunctionMode):
         self.memo[key] = (leaf, version, cast)
         return cast
 
-    def down(self, leaf: torch.Tensor) -> torch.Tensor:
-        """:meth:`cast_value` to the low dtype outside ``torch.compile`` (the hot path of
-        O1's kernels and one-call layers)."""
-        have = leaf.dtype
-        if have is self.dtype or not have.is_floating_point or have is torch.float64:
-            return leaf
-        return self.cast_eager(leaf, self.dtype)
+    #: ``leaf`` cast to the low dtype outside ``torch.compile``: the hot path of O1's
+    #: kernels and one-call layers (one Python call per operand)
+    down = cast_eager
 
     def _view_of_cast(
         self, leaf: torch.Tensor, base: torch.Tensor, dtype: torch.dtype
