@@ -123,6 +123,26 @@ def test_orthogonal_parametrization_runs_in_float32() -> None:
     assert counter.casts[(BF16, torch.float32)] == 1
 
 
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_a_one_call_layer_whose_weight_is_not_a_parameter_computes_with_it(layer: str) -> None:
+    # (a parametrized weight is a property, not in ``_parameters``: the direct call must read
+    # the attribute, the weight the parametrization computes in float32, then cast it down)
+    torch.manual_seed(0)
+    module = nn.Linear(4, 3) if layer == "linear" else nn.Conv2d(2, 3, 3, padding=1)
+    nn.utils.parametrizations.weight_norm(module)
+    x = torch.randn(2, 4) if layer == "linear" else torch.randn(1, 2, 5, 5)
+    converted = _o1(nn.Sequential(module))
+    with torch.no_grad():
+        out = converted(x)
+        weight, bias = module.weight.to(BF16), module.bias.to(BF16)
+        if layer == "linear":
+            expected = nn.functional.linear(x.to(BF16), weight, bias)
+        else:
+            expected = nn.functional.conv2d(x.to(BF16), weight, bias, padding=1)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, expected.float())
+
+
 def test_the_plan_does_not_depend_on_the_first_calls_grad_mode() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
     x = torch.randn(2, 4)
