@@ -78,35 +78,48 @@ def bound_methods(converted: nn.Module) -> nn.Module:
     return converted
 
 
+def _run(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
+    return model(**inputs)
+
+
+def compiled_call(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[], Any]:
+    """``model(**inputs)`` compiled, as a call with no arguments.
+
+    Compiled through a copy of one function with a code object of its own: every
+    ``torch.compile(module)`` compiles the one frame ``nn.Module.__call__``, so the columns'
+    graphs would all be cache entries of one code object, and each call would check the
+    guards of the other columns' entries before its own (and the columns of a second
+    model would pass the recompile limit). One entry per column is what a program with
+    one model compiled meets."""
+    run = types.FunctionType(_run.__code__.replace(), _run.__globals__, _run.__name__)
+    compiled = torch.compile(run)
+    return lambda: _first_tensor(compiled(model, inputs))
+
+
 def columns(
     model: nn.Module, inputs: dict[str, torch.Tensor], candidate: bool
 ) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, tuple[int, int]]]:
     """One zero-argument compiled call per column, and (graph breaks, guards) of each."""
-    compiled = torch.compile(model)
+    original = compiled_call(model, inputs)
 
     def theirs() -> torch.Tensor:
         with torch.autocast("cpu", torch.bfloat16):
-            return _first_tensor(compiled(**inputs))
+            return original()
 
     low = copy.deepcopy(model).to(torch.bfloat16)
-    # compiled through a function of its own: a second cache entry on the original's code
-    # would make the two indistinguishable to the guard-skipping stance of --guard-cost
-    low_compiled = torch.compile(lambda **kwargs: low(**kwargs))
     calls: dict[str, Callable[[], torch.Tensor]] = {
         BASE: theirs,
-        "bf16 model": lambda: _first_tensor(low_compiled(**inputs)),
+        "bf16 model": compiled_call(low, inputs),
     }
     explained = {BASE: _explain(model, inputs, True), "bf16 model": _explain(low, inputs, False)}
     for level in LEVELS:
         converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
         explained[level] = _explain(converted, inputs, False)
-        compiled_level = torch.compile(converted)
-        calls[level] = lambda c=compiled_level: _first_tensor(c(**inputs))
+        calls[level] = compiled_call(converted, inputs)
     if candidate:
         methods = bound_methods(amp.auto_mixed_precision(model, "autocast", torch.bfloat16))
         explained["methods"] = _explain(methods, inputs, False)
-        compiled_methods = torch.compile(methods)
-        calls["methods"] = lambda: _first_tensor(compiled_methods(**inputs))
+        calls["methods"] = compiled_call(methods, inputs)
     return calls, explained
 
 

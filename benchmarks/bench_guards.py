@@ -21,6 +21,7 @@ Run: python benchmarks/bench_guards.py [--models nested,bert] [--checks 200]
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 import types
 import warnings
@@ -66,16 +67,14 @@ def _run_autocast(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
         return model(**inputs)
 
 
-def check_time(
-    run: Callable[..., Any],
-    model: nn.Module,
-    inputs: dict[str, torch.Tensor],
-    checks: int,
-    batches: int = 7,
-) -> float:
-    """Seconds of one guard check of ``run(model, inputs)`` compiled: the fastest of
-    ``batches`` batches of ``checks`` checks (on a shared machine the least disturbed)."""
-    torch._dynamo.reset()
+def guard_check(
+    run: Callable[..., Any], model: nn.Module, inputs: dict[str, torch.Tensor]
+) -> Callable[[], Any]:
+    """The guard check of ``run(model, inputs)`` compiled, as a call with no arguments.
+
+    Each call compiles a copy of ``run`` with a code object of its own, so the guards of
+    every column stay live side by side (a reset would leave the earlier ones empty)."""
+    run = types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__)
     compiled = torch.compile(run, backend="eager")
     with torch.no_grad():
         compiled(model, inputs)
@@ -84,38 +83,49 @@ def check_time(
         raise RuntimeError(f"expected one compiled graph, found {len(entries)}")
     guards = entries[0].guard_manager
     frame = {"model": model, "inputs": inputs}
-    times = []
-    with torch.no_grad():  # (the grad mode is one of the guards)
+    with torch.no_grad():
         if not guards.check(frame):
             raise RuntimeError("the guards reject the call they were made for")
-        for _ in range(batches):
-            start = time.perf_counter()
-            for _ in range(checks):
-                guards.check(frame)
-            times.append((time.perf_counter() - start) / checks)
-    return min(times)
+    return functools.partial(guards.check, frame)
+
+
+def check_times(checks: list[Callable[[], Any]], per_batch: int, rounds: int) -> list[float]:
+    """Seconds of one call of each of ``checks``: batches of ``per_batch`` calls, the
+    columns interleaved for ``rounds`` rounds, the fastest batch of each (on a shared
+    machine the least disturbed; interleaving gives every column the same disturbances)."""
+    best = [float("inf")] * len(checks)
+    with torch.no_grad():  # (the grad mode is one of the guards)
+        for _ in range(rounds):
+            for i, check in enumerate(checks):
+                start = time.perf_counter()
+                for _ in range(per_batch):
+                    check()
+                best[i] = min(best[i], (time.perf_counter() - start) / per_batch)
+    return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="nested,bert")
     parser.add_argument("--checks", type=int, default=200, help="checks per batch")
+    parser.add_argument("--rounds", type=int, default=15, help="batches of each column")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     names = ("original", "bound forward", *LEVELS)
-    print("guard check per compiled call, us (fastest of 7 batches); the original's under autocast")
+    print(
+        f"guard check per compiled call, us (fastest of {args.rounds} interleaved batches); "
+        "the original's under autocast"
+    )
     print(f"{'model':8s}" + "".join(f"{n:>15s}" for n in names))
     for model_name in args.models.split(","):
         model, inputs = _nested() if model_name == "nested" else build(model_name)
-        times = [
-            check_time(_run_autocast, model, inputs, args.checks),
-            check_time(
-                _run_autocast, _bound_forwards(build_again(model_name)), inputs, args.checks
-            ),
+        checks = [
+            guard_check(_run_autocast, model, inputs),
+            guard_check(_run_autocast, _bound_forwards(build_again(model_name)), inputs),
         ]
-        for level in LEVELS:
-            converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
-            times.append(check_time(_run, converted, inputs, args.checks))
+        converted = [amp.auto_mixed_precision(model, level, torch.bfloat16) for level in LEVELS]
+        checks += [guard_check(_run, c, inputs) for c in converted]
+        times = check_times(checks, args.checks, args.rounds)
         print(f"{model_name:8s}" + "".join(f"{t * 1e6:15.1f}" for t in times), flush=True)
 
 

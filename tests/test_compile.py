@@ -109,3 +109,87 @@ def test_a_compiled_recurrent_layer_leaves_the_shared_module_as_it_was(level: st
     assert all(
         w is p for w, p in zip(converted[1]._flat_weights, model[1]._flat_weights, strict=True)
     )
+
+
+def _blocks(count: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.GELU()) for _ in range(count))
+    )
+
+
+def _aliasing_guards(model: nn.Module, x: torch.Tensor) -> int:
+    """How many objects ``model(x)`` compiled guards as reached by two paths (TorchDynamo
+    checks each such pair in Python at every call)."""
+    aliased: set[str] = set()
+
+    def keep_all(entries: list) -> list[bool]:  # type: ignore[type-arg]
+        aliased.update(e.name for e in entries if e.guard_type == "DUPLICATE_INPUT")
+        return [True] * len(entries)
+
+    def run(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return module(x)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(run, backend="eager", options={"guard_filter_fn": keep_all})
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled(model, x)
+    return len(aliased)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_compiled_conversion_reaches_each_module_by_one_path(level: str) -> None:
+    """No guard per module that the module, its forward or the conversion's shared state
+    is one object reached two ways: a deeper model adds none (the level's shared tables
+    may add a fixed number)."""
+    x = torch.randn(2, 4)
+    counts = [
+        _aliasing_guards(amp.auto_mixed_precision(_blocks(n), level, torch.bfloat16), x)
+        for n in (2, 6)
+    ]
+    assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_forward_set_after_compiling_runs_compiled(level: str) -> None:
+    converted = amp.auto_mixed_precision(_blocks(2), level, torch.bfloat16)
+    x = torch.randn(2, 4)
+    torch._dynamo.reset()
+    compiled = torch.compile(converted, backend="eager")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled(x)
+        converted[1].forward = lambda value: value * 0 + 3  # type: ignore[method-assign]
+        out = compiled(x)
+        expected = converted(x)
+    assert torch.equal(out, expected)
+    assert torch.equal(out, torch.full_like(out, 3))
+
+
+@pytest.mark.parametrize("copy", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_compiled_copy_computes_with_its_own_weights(level: str, copy: str) -> None:
+    import copy as copying
+    import io
+
+    converted = amp.auto_mixed_precision(_blocks(2), level, torch.bfloat16)
+    if copy == "deepcopy":
+        twin = copying.deepcopy(converted)
+    else:
+        buffer = io.BytesIO()
+        torch.save(converted, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        for parameter in twin.parameters():
+            parameter.mul_(-2)
+    x = torch.randn(2, 4)
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = torch.compile(converted, backend="eager")(x)
+        theirs = torch.compile(twin, backend="eager")(x)
+        assert torch.equal(ours, converted(x))
+        assert torch.equal(theirs, twin(x))
+    assert not torch.allclose(ours, theirs)

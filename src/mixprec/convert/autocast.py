@@ -70,7 +70,9 @@ from mixprec.convert.runtime import (
 from mixprec.convert.structure import (
     CONVERSION_ATTR,
     add_repr_note,
+    owner,
     qualified_name,
+    register,
     set_forward,
     set_forward_hooks,
     structural_copy,
@@ -128,7 +130,7 @@ class AutocastForward(ForwardBase):
         root: bool,
         under_fast_path: bool = False,
     ) -> None:
-        self.module = module
+        super().__init__(module)
         self.device_type = device_type
         self.dtype = dtype
         self.root = root
@@ -137,20 +139,21 @@ class AutocastForward(ForwardBase):
         self.warned = False
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
-        if not _mixprec_hooked and takes_hook_path(self.module, self):
-            return nn.Module._call_impl(self.module, *args, **kwargs)
+        module = owner(self.key) if _dynamo_compiling() else self.module  # (target, inline)
+        if not _mixprec_hooked and takes_hook_path(module, self):
+            return nn.Module._call_impl(module, *args, **kwargs)
         device = self.device_type
         if self.as_written or (self.may_get_nested and any_nested(args, kwargs)):
             with torch.autocast(device, enabled=False):
-                return type(self.module).forward(self.module, *args, **kwargs)
+                return type(module).forward(module, *args, **kwargs)
         if torch.is_autocast_enabled(device):
             if not self.root:
                 if torch.get_autocast_dtype(device) == self.dtype:  # inside the model
-                    return type(self.module).forward(self.module, *args, **kwargs)
+                    return type(module).forward(module, *args, **kwargs)
             elif not self.warned:
                 self._warn_outer()
         with torch.autocast(device, self.dtype):
-            return type(self.module).forward(self.module, *args, **kwargs)
+            return type(module).forward(module, *args, **kwargs)
 
     def _warn_outer(self) -> None:
         self.warned = True
@@ -165,15 +168,16 @@ class Fp32Forward(ForwardBase):
     (also under an outer ``torch.autocast``)."""
 
     def __init__(self, module: nn.Module, device_type: str) -> None:
-        self.module = module
+        super().__init__(module)
         self.device_type = device_type
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
-        if not _mixprec_hooked and takes_hook_path(self.module, self):
-            return nn.Module._call_impl(self.module, *args, **kwargs)
+        module = owner(self.key) if _dynamo_compiling() else self.module  # (target, inline)
+        if not _mixprec_hooked and takes_hook_path(module, self):
+            return nn.Module._call_impl(module, *args, **kwargs)
         args, kwargs = _cast_floating((args, kwargs), torch.float32)
         with standing_aside(), torch.autocast(self.device_type, enabled=False):
-            return type(self.module).forward(self.module, *args, **kwargs)
+            return type(module).forward(module, *args, **kwargs)
 
 
 class _RegionLocal(threading.local):
@@ -199,6 +203,7 @@ class Region:
         self.names = frozenset(op for op in recipe.low_ops if isinstance(op, str))
         self.kernels = dispatch.supports(self.names)
         self.keyset = dispatch.keyset()  # (what a call that makes its own casts excludes)
+        self.key = register(self)  # (what a compiled call reads it by: see InRegion)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"recipe": self.recipe}  # torch functions and thread state do not pickle
@@ -280,54 +285,78 @@ def _all_float32(values: Any) -> bool:
     return True
 
 
-class ListedForward(ForwardBase):
+class InRegion(ForwardBase):
+    """A forward of an O1 module, one of a region's. Under ``torch.compile`` a call reads
+    its module and its region by their keys (:func:`~mixprec.convert.structure.owner`):
+    every module's forward holds the one region, which TorchDynamo would otherwise guard
+    as an alias pair per module."""
+
+    def __init__(self, module: nn.Module, region: Region) -> None:
+        super().__init__(module)
+        self.region = region
+        self.region_key = region.key
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        del state["region_key"]  # (the copy's region has a key of its own)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.region_key = self.region.key
+
+
+class ListedForward(InRegion):
     """An O1 module's ``forward``: its own forward, under the region's list when called
     from outside the model (an entry point: the root or a submodule called directly),
     its float16/bfloat16 arguments cast up and its floating results returned float32."""
 
     def __init__(self, module: nn.Module, region: Region, *, under_fast_path: bool) -> None:
-        self.module = module
-        self.region = region
+        super().__init__(module, region)
         self.as_written = isinstance(module, FAST_PATH_MODULES)
         self.may_get_nested = under_fast_path  # only a fast path makes nested tensors
         #: an ``nn.ReLU`` whose one call (white at O1) is made here, without its kernel
         self.relu = type(module).forward is nn.ReLU.forward and "relu" in region.names
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
-        if not _mixprec_hooked and takes_hook_path(self.module, self):
-            return nn.Module._call_impl(self.module, *args, **kwargs)
-        local = self.region.local
+        if _dynamo_compiling():  # (targets, inline)
+            module, region = owner(self.key), owner(self.region_key)
+        else:
+            module, region = self.module, self.region
+        if not _mixprec_hooked and takes_hook_path(module, self):
+            return nn.Module._call_impl(module, *args, **kwargs)
+        local = region.local
         if self.as_written or (self.may_get_nested and any_nested(args, kwargs)):
             depth, local.depth = local.depth, 0  # children enter afresh
             try:
                 with standing_aside():
-                    return type(self.module).forward(self.module, *args, **kwargs)
+                    return type(module).forward(module, *args, **kwargs)
             finally:
                 local.depth = depth
         if local.depth:  # inside the model: the region's mode is active
             if (
                 self.relu
-                and self.region.kernels
+                and region.kernels
                 and len(args) == 1
                 and not kwargs
-                and not self.module.inplace
+                and not module.inplace
             ):
-                out = _direct_relu(local.mode, args[0], self.region.keyset)
+                out = _direct_relu(local.mode, args[0], region.keyset)
                 if out is not NotImplemented:
                     return out
-            return type(self.module).forward(self.module, *args, **kwargs)
+            return type(module).forward(module, *args, **kwargs)
         if not (_all_float32(args) and _all_float32(kwargs.values())):
             args, kwargs = _cast_call(args, kwargs, torch.float32, _needs_up)
-        local.depth, local.mode = 1, self.region.mode()
+        local.depth, local.mode = 1, region.mode()
         try:
-            with self.region.applying(local.mode):
-                out = type(self.module).forward(self.module, *args, **kwargs)
+            with region.applying(local.mode):
+                out = type(module).forward(module, *args, **kwargs)
         finally:
             local.depth, local.mode = 0, None
         return out if isinstance(out, torch.Tensor) and out.dtype == torch.float32 else _up(out)
 
 
-class WhiteForward(ForwardBase):
+class WhiteForward(InRegion):
     """An O1 white-list module's ``forward``: it computes low, and its result is cast back
     to float32 for its caller after its forward hooks (the last of them,
     :class:`CastBackLast`; with no hook, here), so the hooks see the low result as under
@@ -351,44 +380,54 @@ class WhiteForward(ForwardBase):
         *,
         inputs_low: bool = False,
     ) -> None:
-        self.module = module
-        self.region = region
+        super().__init__(module, region)
         self.inner = inner
         self.inputs_low = inputs_low
         #: a built-in layer whose one call is made here, without its operator's kernel
         self.direct = _direct_kind(module) if inner is None and not inputs_low else None
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
-        if not _mixprec_hooked and takes_hook_path(self.module, self):
-            return nn.Module._call_impl(self.module, *args, **kwargs)
-        local = self.region.local
+        if _dynamo_compiling():  # (targets, inline)
+            module, region = owner(self.key), owner(self.region_key)
+        else:
+            module, region = self.module, self.region
+        if not _mixprec_hooked and takes_hook_path(module, self):
+            return nn.Module._call_impl(module, *args, **kwargs)
+        local = region.local
         running = local.mode
         if local.depth and running is not None:  # inside the model
             if self.direct is not None and len(args) == 1 and not kwargs:  # the hot path
                 out = self._direct(running, args[0])
                 if out is not NotImplemented:
-                    if self.module._forward_hooks or _global_forward_hooks:
+                    if module._forward_hooks or _global_forward_hooks:
                         return out  # CastBackLast casts it back after the hooks
                     return running.cast_back_eager(out)
-            return self._finish(running, self._run(running, args, kwargs))
-        mode = self.region.mode()
+            return self._finish(module, running, self._run(module, region, running, args, kwargs))
+        mode = region.mode()
         local.depth, local.mode = 1, mode
         try:
-            with self.region.applying(mode):
-                return self._finish(mode, self._run(mode, args, kwargs))
+            with region.applying(mode):
+                return self._finish(module, mode, self._run(module, region, mode, args, kwargs))
         finally:
             local.depth, local.mode = 0, None
 
-    def _finish(self, mode: RuntimeListMode, out: Any) -> Any:
-        if self.module._forward_hooks or _global_forward_hooks:
+    def _finish(self, module: nn.Module, mode: RuntimeListMode, out: Any) -> Any:
+        if module._forward_hooks or _global_forward_hooks:
             return out  # CastBackLast casts it back after the hooks
         return mode.cast_back(out)
 
-    def _run(self, mode: RuntimeListMode, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run(
+        self,
+        module: nn.Module,
+        region: Region,
+        mode: RuntimeListMode,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         if self.inner is not None:
             return self.inner(*args, **kwargs)
         if self.inputs_low:  # a layer subclass with its own code, which runs under the list
-            dtype = self.region.recipe.dtype
+            dtype = region.recipe.dtype
 
             def down(value: Any) -> Any:
                 if isinstance(value, torch.Tensor):
@@ -396,14 +435,14 @@ class WhiteForward(ForwardBase):
                 return tuple(map(down, value)) if type(value) is tuple else value
 
             args, kwargs = tuple(map(down, args)), {k: down(v) for k, v in kwargs.items()}
-            return type(self.module).forward(self.module, *args, **kwargs)
+            return type(module).forward(module, *args, **kwargs)
         if self.direct is not None and not kwargs and len(args) == 1:
             out = self._direct(mode, args[0])
             if out is not NotImplemented:
                 return out
         mode.back = False  # the layer's one white-list call keeps its result low
         try:
-            return type(self.module).forward(self.module, *args, **kwargs)
+            return type(module).forward(module, *args, **kwargs)
         finally:
             mode.back = True
 

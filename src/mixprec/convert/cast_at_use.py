@@ -57,6 +57,7 @@ from torch.nn.modules.module import (
 from torch.overrides import TorchFunctionMode
 
 from mixprec._warn import warn
+from mixprec.convert.structure import owner, register, takes_hook_path_compiled
 from mixprec.policy import lists
 from mixprec.policy.dtypes import _CAST_METHODS, _CASTABLE, is_castable, to_dtype
 from mixprec.policy.ops import cast_tree, only_plain_tensors, op_name
@@ -228,11 +229,16 @@ class _Spec(NamedTuple):
     float32: bool  # an outer torch.autocast is off inside
     inner: bool  # the module had an instance forward of its own
     view: bool  # a recurrent layer: it runs on a per-call view (:meth:`ModuleCall._plain`)
+    low: torch.dtype  # the conversion's low dtype
+    #: the class's forward (read here, not through ``type(module)``: modules of one class
+    #: would reach the class by as many paths, each pair guarded as aliases)
+    forward: Callable[..., Any]
 
 
 #: Every distinct spec, by number. Under ``torch.compile`` a call reads its module's one
-#: number and this table, a global TorchDynamo guards once for all modules, so a
-#: converted module adds one guard for its decisions, not one per decision.
+#: number and this table, a global TorchDynamo guards once for all modules of one class
+#: and decisions, so a converted module adds one guard for its decisions, not one per
+#: decision.
 _SPECS: list[_Spec] = []
 _SPEC_CODES: dict[_Spec, int] = {}
 
@@ -258,6 +264,9 @@ class LowParameters(dict[str, Any]):
         super().__init__(table)
         self.kept = kept  # names that stay as stored (an old weight hook's originals)
         self.state = state
+        #: (read under ``torch.compile`` instead of ``state.dtype``: the state, one object
+        #: every module's table holds, would be guarded as an alias pair per table)
+        self.dtype = state.dtype
         self.local = state._local
 
     def __getstate__(self) -> dict[str, Any]:
@@ -265,6 +274,7 @@ class LowParameters(dict[str, Any]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.dtype = self.state.dtype
         self.local = self.state._local
 
     def __getitem__(self, name: str) -> Any:
@@ -275,7 +285,7 @@ class LowParameters(dict[str, Any]):
             if torch.compiler.is_exporting():
                 frame = self.state.frame()
                 return value if frame is None else self.state.low(value, frame)
-            return to_dtype(value, self.state.dtype) if is_castable(value) else value
+            return to_dtype(value, self.dtype) if is_castable(value) else value
         frame = self.local.frame
         if not frame.depth:
             return value
@@ -476,16 +486,24 @@ def _cast_top(value: Any, dtype: torch.dtype, casts: dict[int, torch.Tensor]) ->
 
 
 def _compiled_call(
-    call: ModuleCall, spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]
+    call: ModuleCall, hooked: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """A :class:`ModuleCall` under ``torch.compile``: the casts inside the graph, no
-    thread-local state and no mode (weights are cast at each read, inside the graph)."""
+    thread-local state and no mode (weights are cast at each read, inside the graph).
+
+    It reads nothing that reaches the module a second way (its module by
+    :func:`~mixprec.convert.structure.owner`, its decisions from ``_SPECS``): each such
+    path would add a guard checked in Python at every call."""
+    module = owner(call.key)
+    if not hooked and takes_hook_path_compiled(module, call):
+        return nn.Module._call_impl(module, *args, **kwargs)
+    spec = _SPECS[call.code]
     if spec.root and spec.cast is not None:
         dtype = spec.cast
         args = tuple(_cast_top(v, dtype, {}) for v in args)
         kwargs = {k: _cast_top(v, dtype, {}) for k, v in kwargs.items()}
     elif spec.cast is not None and not (
-        spec.fused and _takes_low(args, kwargs, spec.fused, call.state.dtype)
+        spec.fused and _takes_low(args, kwargs, spec.fused, spec.low)
     ):
         dtype = spec.cast
         if kwargs or not all(isinstance(v, torch.Tensor) for v in args):
@@ -493,19 +511,15 @@ def _compiled_call(
         else:  # (no tree walk: TorchDynamo would guard each step of it)
             args = tuple(_cast_top(v, dtype, {}) for v in args)
     if spec.float32 and _outer_autocast():
-        out = _without_autocast(call, spec, args, kwargs)
-    elif spec.inner:
-        out = call.inner(*args, **kwargs)  # type: ignore[misc]
-    elif spec.view:  # (its flat weights are set on a view, never on the shared module)
+        out = _without_autocast(call, args, kwargs)
+    elif spec.inner or spec.view:  # (a view: its flat weights are set on a per-call view)
         out = call._plain(args, kwargs)
     else:
-        out = type(call.module).forward(call.module, *args, **kwargs)
+        out = spec.forward(module, *args, **kwargs)
     return out if spec.output is None else cast_tree(out, spec.output)
 
 
-def _without_autocast(
-    call: ModuleCall, spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def _without_autocast(call: ModuleCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A float32 island's forward with every outer ``torch.autocast`` turned off."""
     with contextlib.ExitStack() as stack:
         for device in _AUTOCAST_DEVICES:
@@ -562,6 +576,7 @@ class ModuleCall:
         mixed_kernel: bool = False,
     ) -> None:
         self.module = module
+        self.key = register(module)  # (what a compiled call reads it by: see _compiled_call)
         self.state = state
         self.local = state._local
         self.root = root
@@ -602,16 +617,19 @@ class ModuleCall:
             float32=self.float32,
             inner=self.inner is not None,
             view=self.special,
+            low=self.state.dtype,
+            forward=type(self.module).forward,
         )
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["local"]  # a thread-local cannot be copied: the copy's state has its own
-        del state["code"]  # (a number of this process's table)
+        del state["code"], state["key"]  # (numbers of this process's tables)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.key = register(self.module)
         self.local = self.state._local
         self.code = _spec_code(self._spec())
 
@@ -634,6 +652,8 @@ class ModuleCall:
         and this object still its ``forward``, it does the forward's work itself, one
         Python frame where ``nn.Module`` takes two; otherwise ``nn.Module._call_impl``
         runs the hooks around the module's ``forward``."""
+        if _dynamo_compiling() and not torch.compiler.is_exporting():
+            return _compiled_call(self, _mixprec_hooked, args, kwargs)  # (_tracing, inline)
         if not _mixprec_hooked:
             slots = self.module.__dict__  # (structure.takes_hook_path, inline: the hot call)
             if (
@@ -649,8 +669,6 @@ class ModuleCall:
                 or torch._C._get_tracing_state()
             ):
                 return nn.Module._call_impl(self.module, *args, **kwargs)
-        if _dynamo_compiling() and not torch.compiler.is_exporting():
-            return _compiled_call(self, _SPECS[self.code], args, kwargs)  # (_tracing, inline)
         if self.nested:
             frame = self.local.frame
             if frame.depth and not (self.float32 and torch._C._is_any_autocast_enabled()):

@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.compiler import is_dynamo_compiling as _dynamo_compiling
 from torch.overrides import TorchFunctionMode, get_overridable_functions
 
 from mixprec.convert import dispatch
-from mixprec.convert.structure import takes_hook_path
+from mixprec.convert.structure import owner, register, takes_hook_path
 from mixprec.policy.dtypes import _CAST_METHODS, is_castable, to_dtype
 from mixprec.policy.levels import Level, Precision, Recipe
 from mixprec.policy.ops import (
@@ -306,6 +307,25 @@ class ForwardBase:
     ``torch.export`` see the original method."""
 
     module: nn.Module
+    key: int  # the module's key (:func:`~mixprec.convert.structure.owner`)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.key = register(module)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["key"]  # (a number of this process's table)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.key = register(self.module)
+
+    def target(self) -> nn.Module:
+        """The module, read as a call of it must read it: under ``torch.compile`` by its
+        key (its own attribute would be a second path to it, guarded as an alias)."""
+        return owner(self.key) if _dynamo_compiling() else self.module
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -342,7 +362,7 @@ class RuntimeForward(ForwardBase):
         reason: str = "",
         tables: dict[Any, Table] | None = None,
     ) -> None:
-        self.module = module
+        super().__init__(module)
         self.recipe, self.scopes, self.force = recipe, tuple(scopes), force
         self.table, self.default = decision_table(recipe, scopes, force, tables)
         self.dtype = recipe.dtype
@@ -351,32 +371,33 @@ class RuntimeForward(ForwardBase):
         self.reason = reason
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
+        state = super().__getstate__()
         del state["table"]  # torch functions do not pickle; the table is rebuilt
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        super().__setstate__(state)
         self.table, self.default = decision_table(self.recipe, self.scopes, self.force)
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
-        if not _mixprec_hooked and takes_hook_path(self.module, self):
-            return nn.Module._call_impl(self.module, *args, **kwargs)
+        module = self.target()
+        if not _mixprec_hooked and takes_hook_path(module, self):
+            return nn.Module._call_impl(module, *args, **kwargs)
         if any_nested(args, kwargs):  # only a built-in fast path makes these: run as written
             with standing_aside():
-                return type(self.module).forward(self.module, *args, **kwargs)
+                return type(module).forward(module, *args, **kwargs)
         running = _only_list_mode()
         if running is not None:  # the common case: lend it this module's decisions
             saved = running.table, running.default, running.back
             running.table, running.default, running.back = self.table, self.default, self.back
             try:
-                out = type(self.module).forward(self.module, *args, **kwargs)
+                out = type(module).forward(module, *args, **kwargs)
             finally:
                 running.table, running.default, running.back = saved
         else:
             mode = RuntimeListMode(self.table, self.default, self.dtype, self.back)
             with standing_aside(), mode:
-                out = type(self.module).forward(self.module, *args, **kwargs)
+                out = type(module).forward(module, *args, **kwargs)
         return out if self.output_dtype is None else cast_tree(out, self.output_dtype)
 
 

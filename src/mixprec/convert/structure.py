@@ -14,11 +14,14 @@ The instance slots a conversion layers on a copied module (``forward``, ``_param
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.compiler import is_dynamo_compiling as _dynamo_compiling
 from torch.nn.modules import module as module_hooks
 
 __all__ = [
@@ -27,7 +30,9 @@ __all__ = [
     "add_repr_note",
     "conversion_of",
     "find_converted",
+    "owner",
     "qualified_name",
+    "register",
     "set_forward",
     "set_parameters",
     "structural_copy",
@@ -122,10 +127,69 @@ def set_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
         module.__dict__.pop("_call_impl", None)
 
 
+#: key -> a weak reference to an object a converted forward reads (see :func:`owner`)
+_OWNERS: dict[int, weakref.ref[Any]] = {}
+_KEY_OF: dict[int, int] = {}  # id(object) -> its key
+_KEYS = itertools.count()
+
+
+def register(obj: Any) -> int:
+    """The key :func:`owner` answers with ``obj`` while ``obj`` lives (one key per
+    object, so every reader of it reads it by one path)."""
+    key = _KEY_OF.get(id(obj))
+    if key is not None and _OWNERS[key]() is obj:
+        return key
+    key = next(_KEYS)
+
+    def forget(_: object, key: int = key, address: int = id(obj)) -> None:
+        _OWNERS.pop(key, None)
+        if _KEY_OF.get(address) == key:
+            del _KEY_OF[address]
+
+    _OWNERS[key] = weakref.ref(obj, forget)
+    _KEY_OF[id(obj)] = key
+    return key
+
+
+def owner(key: int) -> Any:
+    """The object registered under ``key`` (a converted module, an O1 region): what a
+    converted forward reads, under ``torch.compile``, instead of the one it holds.
+
+    TorchDynamo reaches a module through its parent (``parent._modules[name]``); read
+    again through its forward (``module._call_impl.__self__.module``) it is the same
+    object by a second path, and TorchDynamo adds a guard that the two paths agree,
+    which it checks in Python at every call (one or two per module, each walking both
+    paths from the frame's arguments). An object read from this global table is not such a second
+    path (TorchDynamo relates paths from the frame only to each other, and every reader
+    reads one object by one key), and the table never changes what a key means, so
+    nothing needs guarding beyond the key itself.
+    """
+    obj = _OWNERS[key]()
+    if obj is None:  # (a forward outliving its module: not reachable from a model)
+        raise RuntimeError(f"mixprec: the object of key {key} is gone")
+    return obj
+
+
+@torch.compiler.assume_constant_result
+def is_forward_of(forward: Any) -> bool:
+    """Under ``torch.compile``: whether ``forward`` (a converted forward with a ``key``)
+    is still its module's instance ``forward``, answered while TorchDynamo traces.
+
+    Read in the traced code, the module's ``forward`` slot would be the converted
+    forward by a second path (see :func:`owner`). Answering at trace time needs no guard
+    of its own: TorchDynamo already guards every called module's instance ``forward`` by
+    identity, so a forward set later fails that guard and the call is traced again.
+    """
+    return owner(forward.key).__dict__.get("forward") is forward
+
+
 def takes_hook_path(module: nn.Module, forward: object) -> bool:
     """Whether a call of ``module`` (converted, its ``forward`` the object ``forward``)
     must go through ``nn.Module._call_impl``: hooks on it, global module hooks, a
-    TorchScript trace running, or a ``forward`` set on it since (which then runs)."""
+    TorchScript trace running, or a ``forward`` set on it since (which then runs).
+    Under ``torch.compile``, :func:`takes_hook_path_compiled`."""
+    if _dynamo_compiling():
+        return takes_hook_path_compiled(module, forward)
     slots = module.__dict__  # (read directly: a module's attribute lookup takes longer)
     return bool(
         slots["_forward_pre_hooks"]
@@ -138,6 +202,24 @@ def takes_hook_path(module: nn.Module, forward: object) -> bool:
         or module_hooks._global_backward_hooks
         or slots.get("forward") is not forward
         or torch._C._get_tracing_state()
+    )
+
+
+def takes_hook_path_compiled(module: nn.Module, forward: Any) -> bool:
+    """:func:`takes_hook_path` under ``torch.compile`` (no TorchScript trace there): the
+    hook dictionaries read as the module's attributes, which TorchDynamo guards as it
+    guards the original's (an empty one costs no guard), and the ``forward`` slot
+    answered by :func:`is_forward_of`."""
+    return bool(
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or module._backward_pre_hooks
+        or module._backward_hooks
+        or module_hooks._global_forward_pre_hooks
+        or module_hooks._global_forward_hooks
+        or module_hooks._global_backward_pre_hooks
+        or module_hooks._global_backward_hooks
+        or not is_forward_of(forward)
     )
 
 
