@@ -4,24 +4,32 @@ Before each call of a compiled function TorchDynamo checks the guards of its gra
 tiny model that check is a large share of a compiled call (see ``bench_compile.py``). Here
 it is timed by itself: each column is a function ``run(model, x)`` compiled with the
 ``eager`` backend (the guards do not depend on the backend), and the check of its one cache
-entry is called directly on that call's arguments, in 7 batches of 200; the time per check of
-the fastest batch is printed (the least disturbed by other jobs on a shared machine).
+entry is called directly on that call's arguments, in batches of 200, the columns
+interleaved; the time per check of each column's fastest batch is printed (the least
+disturbed by other jobs on a shared machine).
 
 The column "bound forward" is the original with each module's ``forward`` an instance
 attribute (a bound method of one shared function that calls the class's forward): the
-least a per-module wrapper can be. It shows what any object in a module's instance
-``__dict__`` that refers back to the module costs: TorchDynamo reaches the module by two
-sources (``parent._modules[name]`` and ``module.forward.__self__``), adds an aliasing guard
-for the pair, which it checks in Python after its C++ guard tree, and stops skipping that
-subtree's guards by the dictionary version tags it checks otherwise.
+least a per-module wrapper can be. It shows what an instance ``forward`` costs by itself:
+TorchDynamo no longer inlines the class's ``forward`` straight away (guarding only that the
+instance has none) but traces ``nn.Module.__call__`` into it, guarding each step, and it
+reaches the module by two sources (``parent._modules[name]`` and
+``module.forward.__self__``), a pair it guards as aliases, checked in Python after its C++
+guard tree. (A level's wrappers read their module by a global key instead: see
+``mixprec.convert.structure.owner``.)
 
-Run: python benchmarks/bench_guards.py [--models nested,bert] [--checks 200]
+The checks in a loop find everything they read in the CPU's caches; a real call's check
+comes after the previous call's work has evicted much of it. ``--cold`` times each check
+right after an (untimed) forward of the model instead.
+
+Run: python benchmarks/bench_guards.py [--models nested,bert] [--checks 200] [--cold]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import time
 import types
 import warnings
@@ -104,18 +112,41 @@ def check_times(checks: list[Callable[[], Any]], per_batch: int, rounds: int) ->
     return best
 
 
+def cold_check_times(
+    checks: list[Callable[[], Any]], between: Callable[[], Any], rounds: int
+) -> list[float]:
+    """Seconds of one call of each of ``checks`` made right after ``between()`` (a forward
+    of the model, untimed: what a real call's check finds in the caches), the median of
+    ``rounds`` interleaved rounds of 20 such checks each."""
+    times: list[list[float]] = [[] for _ in checks]
+    with torch.no_grad():
+        for _ in range(rounds):
+            for i, check in enumerate(checks):
+                for _ in range(20):
+                    between()
+                    start = time.perf_counter()
+                    check()
+                    times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="nested,bert")
     parser.add_argument("--checks", type=int, default=200, help="checks per batch")
     parser.add_argument("--rounds", type=int, default=15, help="batches of each column")
+    parser.add_argument(
+        "--cold", action="store_true", help="each check right after a forward of the model"
+    )
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     names = ("original", "bound forward", *LEVELS)
-    print(
-        f"guard check per compiled call, us (fastest of {args.rounds} interleaved batches); "
-        "the original's under autocast"
+    how = (
+        f"median of {args.rounds} interleaved rounds, each check after a forward"
+        if args.cold
+        else f"fastest of {args.rounds} interleaved batches"
     )
+    print(f"guard check per compiled call, us ({how}); the original's under autocast")
     print(f"{'model':8s}" + "".join(f"{n:>15s}" for n in names))
     for model_name in args.models.split(","):
         model, inputs = _nested() if model_name == "nested" else build(model_name)
@@ -125,7 +156,10 @@ def main() -> None:
         ]
         converted = [amp.auto_mixed_precision(model, level, torch.bfloat16) for level in LEVELS]
         checks += [guard_check(_run, c, inputs) for c in converted]
-        times = check_times(checks, args.checks, args.rounds)
+        if args.cold:
+            times = cold_check_times(checks, functools.partial(model, **inputs), args.rounds)
+        else:
+            times = check_times(checks, args.checks, args.rounds)
         print(f"{model_name:8s}" + "".join(f"{t * 1e6:15.1f}" for t in times), flush=True)
 
 

@@ -193,3 +193,18 @@ def test_a_compiled_copy_computes_with_its_own_weights(level: str, copy: str) ->
         assert torch.equal(ours, converted(x))
         assert torch.equal(theirs, twin(x))
     assert not torch.allclose(ours, theirs)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_keys_a_conversion_registers_go_with_it(level: str) -> None:
+    import gc
+
+    from mixprec.convert import structure
+
+    gc.collect()
+    before = len(structure._OWNERS)
+    converted = amp.auto_mixed_precision(_blocks(3), level, torch.bfloat16)
+    assert len(structure._OWNERS) > before
+    del converted
+    gc.collect()
+    assert len(structure._OWNERS) == before
