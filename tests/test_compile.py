@@ -208,3 +208,38 @@ def test_the_keys_a_conversion_registers_go_with_it(level: str) -> None:
     del converted
     gc.collect()
     assert len(structure._OWNERS) == before
+
+
+def _five(module: nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
+    return out * 0 + 5
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_hook_registered_before_compiling_runs_compiled(level: str) -> None:
+    converted = amp.auto_mixed_precision(_blocks(2), level, torch.bfloat16)
+    converted[1][0].register_forward_hook(_five)
+    x = torch.randn(2, 4)
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = torch.compile(converted, backend="eager")(x)
+        assert torch.equal(out, converted(x))
+        plain = amp.auto_mixed_precision(_blocks(2), level, torch.bfloat16)
+        assert not torch.equal(out, plain(x))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_hook_registered_after_compiling_is_seen_as_on_the_original(level: str) -> None:
+    """TorchDynamo guards no empty hook dictionary (``skip_nnmodule_hook_guards``): a hook
+    added after compiling is not seen, by the original's graph nor by a converted one's."""
+    x = torch.randn(2, 4)
+    seen = []
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model in (_blocks(2), amp.auto_mixed_precision(_blocks(2), level, torch.bfloat16)):
+            compiled = torch.compile(model, backend="eager")
+            before = compiled(x)
+            model[1][0].register_forward_hook(_five)
+            seen.append(not torch.equal(compiled(x), before))
+    assert seen[0] == seen[1], seen
