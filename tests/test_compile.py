@@ -201,6 +201,7 @@ def test_the_keys_a_conversion_registers_go_with_it(level: str) -> None:
 
     from mixprec.convert import structure
 
+    amp.auto_mixed_precision(_blocks(1), level, torch.bfloat16)  # (its classes stay registered)
     gc.collect()
     before = len(structure._OWNERS)
     converted = amp.auto_mixed_precision(_blocks(3), level, torch.bfloat16)
@@ -243,3 +244,28 @@ def test_a_hook_registered_after_compiling_is_seen_as_on_the_original(level: str
             model[1][0].register_forward_hook(_five)
             seen.append(not torch.equal(compiled(x), before))
     assert seen[0] == seen[1], seen
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_class_forward_patched_after_conversion_runs_compiled(level: str) -> None:
+    """A library that patches a layer class's ``forward`` (as kernel libraries do to
+    transformers' classes) reaches a converted model, compiled too."""
+
+    class Scale(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    torch.manual_seed(0)
+    converted = amp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(4, 4), Scale()), level, torch.bfloat16
+    )
+    x = torch.randn(2, 4)
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(converted, backend="eager")
+        compiled(x)
+        Scale.forward = lambda self, x: x * 0 + 7  # type: ignore[method-assign]
+        out = compiled(x)
+        assert torch.equal(out, converted(x))
+    assert torch.equal(out, torch.full_like(out, 7))

@@ -230,9 +230,11 @@ class _Spec(NamedTuple):
     inner: bool  # the module had an instance forward of its own
     view: bool  # a recurrent layer: it runs on a per-call view (:meth:`ModuleCall._plain`)
     low: torch.dtype  # the conversion's low dtype
-    #: the class's forward (read here, not through ``type(module)``: modules of one class
-    #: would reach the class by as many paths, each pair guarded as aliases)
-    forward: Callable[..., Any]
+    #: the module's class, by its key (:func:`~mixprec.convert.structure.owner`): read
+    #: through ``type(module)``, modules of one class would reach it by as many paths,
+    #: each pair guarded as aliases; its ``forward`` is read at each call (a class patched
+    #: later runs its new forward)
+    cls: int
 
 
 #: Every distinct spec, by number. Under ``torch.compile`` a call reads its module's one
@@ -515,7 +517,7 @@ def _compiled_call(
     elif spec.inner or spec.view:  # (a view: its flat weights are set on a per-call view)
         out = call._plain(args, kwargs)
     else:
-        out = spec.forward(module, *args, **kwargs)
+        out = owner(spec.cls).forward(module, *args, **kwargs)
     return out if spec.output is None else cast_tree(out, spec.output)
 
 
@@ -618,7 +620,7 @@ class ModuleCall:
             inner=self.inner is not None,
             view=self.special,
             low=self.state.dtype,
-            forward=type(self.module).forward,
+            cls=register(type(self.module)),
         )
 
     def __getstate__(self) -> dict[str, Any]:
