@@ -203,12 +203,12 @@ def test_the_keys_a_conversion_registers_go_with_it(level: str) -> None:
 
     amp.auto_mixed_precision(_blocks(1), level, torch.bfloat16)  # (its classes stay registered)
     gc.collect()
-    before = len(structure._OWNERS)
+    before = len(vars(structure._TABLE))
     converted = amp.auto_mixed_precision(_blocks(3), level, torch.bfloat16)
-    assert len(structure._OWNERS) > before
+    assert len(vars(structure._TABLE)) > before
     del converted
     gc.collect()
-    assert len(structure._OWNERS) == before
+    assert len(vars(structure._TABLE)) == before
 
 
 def _five(module: nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:

@@ -234,7 +234,7 @@ class _Spec(NamedTuple):
     #: through ``type(module)``, modules of one class would reach it by as many paths,
     #: each pair guarded as aliases; its ``forward`` is read at each call (a class patched
     #: later runs its new forward)
-    cls: int
+    cls: str
 
 
 #: Every distinct spec, by number. Under ``torch.compile`` a call reads its module's one

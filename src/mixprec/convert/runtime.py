@@ -307,7 +307,7 @@ class ForwardBase:
     ``torch.export`` see the original method."""
 
     module: nn.Module
-    key: int  # the module's key (:func:`~mixprec.convert.structure.owner`)
+    key: str  # the module's key (:func:`~mixprec.convert.structure.owner`)
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module

@@ -15,6 +15,7 @@ The instance slots a conversion layers on a copied module (``forward``, ``_param
 from __future__ import annotations
 
 import itertools
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -127,31 +128,34 @@ def set_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
         module.__dict__.pop("_call_impl", None)
 
 
-#: key -> a weak reference to an object a converted forward reads (see :func:`owner`)
-_OWNERS: dict[int, weakref.ref[Any]] = {}
-_KEY_OF: dict[int, int] = {}  # id(object) -> its key
+#: key -> a weak reference to an object a converted forward reads (see :func:`owner`), as
+#: the attributes of a module object: TorchDynamo reads a module's attribute by name and
+#: guards that one attribute, where a global dict would be copied whole at each trace (and
+#: could change size meanwhile, as a collected module's key goes)
+_TABLE = types.ModuleType("mixprec.convert.structure._TABLE")
+_KEY_OF: dict[int, str] = {}  # id(object) -> its key
 _KEYS = itertools.count()
 
 
-def register(obj: Any) -> int:
+def register(obj: Any) -> str:
     """The key :func:`owner` answers with ``obj`` while ``obj`` lives (one key per
     object, so every reader of it reads it by one path)."""
     key = _KEY_OF.get(id(obj))
-    if key is not None and _OWNERS[key]() is obj:
+    if key is not None and getattr(_TABLE, key)() is obj:
         return key
-    key = next(_KEYS)
+    key = f"k{next(_KEYS)}"
 
-    def forget(_: object, key: int = key, address: int = id(obj)) -> None:
-        _OWNERS.pop(key, None)
+    def forget(_: object, key: str = key, address: int = id(obj)) -> None:
+        _TABLE.__dict__.pop(key, None)
         if _KEY_OF.get(address) == key:
             del _KEY_OF[address]
 
-    _OWNERS[key] = weakref.ref(obj, forget)
+    setattr(_TABLE, key, weakref.ref(obj, forget))
     _KEY_OF[id(obj)] = key
     return key
 
 
-def owner(key: int) -> Any:
+def owner(key: str) -> Any:
     """The object registered under ``key`` (a converted module, an O1 region): what a
     converted forward reads, under ``torch.compile``, instead of the one it holds.
 
@@ -159,12 +163,12 @@ def owner(key: int) -> Any:
     again through its forward (``module._call_impl.__self__.module``) it is the same
     object by a second path, and TorchDynamo adds a guard that the two paths agree,
     which it checks in Python at every call (one or two per module, each walking both
-    paths from the frame's arguments). An object read from this global table is not such a second
-    path (TorchDynamo relates paths from the frame only to each other, and every reader
-    reads one object by one key), and the table never changes what a key means, so
-    nothing needs guarding beyond the key itself.
+    paths from the frame's arguments). An object read from this global table is not such
+    a second path (TorchDynamo relates paths from the frame only to each other, and every
+    reader reads one object by one key), and the table never changes what a key means,
+    so nothing needs guarding beyond the key itself.
     """
-    obj = _OWNERS[key]()
+    obj = getattr(_TABLE, key)()
     if obj is None:  # (a forward outliving its module: not reachable from a model)
         raise RuntimeError(f"mixprec: the object of key {key} is gone")
     return obj
