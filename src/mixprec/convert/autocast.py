@@ -319,7 +319,7 @@ class ListedForward(InRegion):
         self.relu = type(module).forward is nn.ReLU.forward and "relu" in region.names
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
-        if _dynamo_compiling():  # (targets, inline)
+        if _dynamo_compiling():  # (ForwardBase.target and the region, inline: the hot call)
             module, region = owner(self.key), owner(self.region_key)
         else:
             module, region = self.module, self.region
@@ -387,7 +387,7 @@ class WhiteForward(InRegion):
         self.direct = _direct_kind(module) if inner is None and not inputs_low else None
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
-        if _dynamo_compiling():  # (targets, inline)
+        if _dynamo_compiling():  # (ForwardBase.target and the region, inline: the hot call)
             module, region = owner(self.key), owner(self.region_key)
         else:
             module, region = self.module, self.region
