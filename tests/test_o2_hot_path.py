@@ -375,3 +375,49 @@ def test_a_transformers_output_is_cast_as_a_copy_of_its_state() -> None:
     assert out.last_hidden_state.dtype == torch.bfloat16  # the original is untouched
     only_tensors = BaseModelOutputWithPooling(last_hidden_state=hidden.float())
     assert cast_tree(only_tensors, torch.float32) is only_tensors  # nothing to cast
+
+
+def test_an_output_beside_an_object_of_its_own_is_cast_as_the_tree_walk_casts_it() -> None:
+    """A flat tuple of tensors and objects the tree walk keeps as they are (a KV cache
+    object beside the logits) takes the short path: the tensors cast (a tensor given twice
+    cast once), the objects the same objects; a dataclass, a registered pytree node or a
+    container beside them is still walked."""
+    import dataclasses
+
+    import torch.utils._pytree as pytree
+
+    from mixprec.policy.ops import cast_tree
+
+    class Cache:  # (a leaf to the tree walk: no container, not registered)
+        def __init__(self, keys: torch.Tensor) -> None:
+            self.keys = keys
+
+    @dataclasses.dataclass
+    class Pair:
+        left: torch.Tensor
+        right: int
+
+    class Node:
+        def __init__(self, value: torch.Tensor) -> None:
+            self.value = value
+
+    pytree.register_pytree_node(
+        Node, lambda n: ([n.value], None), lambda values, _: Node(values[0])
+    )
+    try:
+        logits = torch.randn(2, 3, dtype=torch.bfloat16)
+        cache = Cache(logits)
+        cast = cast_tree((logits, cache, logits), torch.float32)
+        assert cast[1] is cache
+        assert cache.keys.dtype == torch.bfloat16
+        assert cast[0].dtype == torch.float32
+        assert cast[0] is cast[2]
+        assert torch.equal(cast[0], logits.float())
+        walked = cast_tree((logits, Pair(logits, 1), Node(logits), [logits]), torch.float32)
+        assert walked[1].left.dtype == torch.float32
+        assert walked[1].right == 1
+        assert walked[2].value.dtype == torch.float32
+        assert walked[3][0].dtype == torch.float32
+        assert walked[0] is walked[2].value is walked[3][0]  # (one memo for the walk)
+    finally:
+        pytree._deregister_pytree_node(Node)

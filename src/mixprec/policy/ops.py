@@ -74,7 +74,7 @@ def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
             cast = casts[id(leaf)] = to_dtype(leaf, dtype)
         return cast
 
-    if type(tree) is tuple and all(type(v) in _FLAT for v in tree):
+    if type(tree) is tuple and all(type(v) in _FLAT or _opaque(v) for v in tree):
         return tuple(tensor(v) if isinstance(v, torch.Tensor) else v for v in tree)
 
     def one(leaf: Any) -> Any:
@@ -91,6 +91,18 @@ def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
         return leaf
 
     return pytree.tree_map(one, tree)
+
+
+def _opaque(value: Any) -> bool:
+    """Whether the tree walk would take ``value`` as a leaf and keep it as it is (a KV
+    cache object in a transformers output): no tensor, no container (tuple, list, dict
+    or a type registered with ``torch.utils._pytree``) and no dataclass (rebuilt with its
+    fields cast)."""
+    return not (
+        isinstance(value, (torch.Tensor, tuple, list, dict))
+        or type(value) in pytree.SUPPORTED_NODES
+        or dataclasses.is_dataclass(value)
+    )
 
 
 _MISSING = object()
