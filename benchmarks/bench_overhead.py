@@ -7,8 +7,10 @@ timed in interleaved rounds (one call of each per round, in turn) and reported a
 median, as a ratio to ``torch.autocast("cpu", torch.bfloat16)`` on the original model;
 "bf16 model" is the model with its parameters in bf16 and no autocast.
 
-``--breakdown`` adds a diagnostic column, "O3 precast": O3 with its weights cast once up
-front (what O3 would cost if a weight's cast were free; forward only).
+``--breakdown`` adds two diagnostic columns (forward only): "O3 precast", O3 with its
+weights cast once up front (what O3 would cost if a weight's cast were free), and "O2 out
+low", O2 with its root's output cast turned off (the output then stays low: what the
+float32 output's cast costs, the rebuild of a transformers ``ModelOutput`` included).
 
 ``--casts`` adds a row per model: the cast kernels one forward of each column launches.
 
@@ -206,6 +208,14 @@ def precast(converted: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[
     return call
 
 
+def output_kept(
+    converted: nn.Module, inputs: dict[str, torch.Tensor]
+) -> Callable[[], torch.Tensor]:
+    """A diagnostic column: ``converted`` (O2/O3) with its root's output cast turned off."""
+    converted.__dict__["forward"].output_dtype = None  # (the root's ModuleCall)
+    return functools.partial(_call, converted, inputs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
@@ -214,7 +224,8 @@ def main() -> None:
     parser.add_argument(
         "--breakdown",
         action="store_true",
-        help="add 'O3 precast': O3 with its weights cast once up front (forward only)",
+        help="add 'O3 precast' (O3, weights cast once up front) and 'O2 out low' (O2, no "
+        "output cast): diagnostics, forward only",
     )
     parser.add_argument(
         "--casts", action="store_true", help="add a row: cast kernels per forward of each column"
@@ -222,7 +233,8 @@ def main() -> None:
     args = parser.parse_args()
     rounds = args.rounds or (5 if args.quick else 40)
     torch.set_num_threads(1)
-    names = ("torch.autocast", "bf16 model", *LEVELS, *(("O3 precast",) if args.breakdown else ()))
+    diagnostics = ("O3 precast", "O2 out low") if args.breakdown else ()
+    names = ("torch.autocast", "bf16 model", *LEVELS, *diagnostics)
     print(f"host time per call, ratio to torch.autocast (median of {rounds} interleaved rounds)")
     print(
         f"{'model':8s} {'pass':8s} {'torch.autocast':>14s}"
@@ -234,6 +246,9 @@ def main() -> None:
         if args.breakdown:
             calls["O3 precast"] = precast(
                 amp.auto_mixed_precision(model, "O3", torch.bfloat16), inputs
+            )
+            calls["O2 out low"] = output_kept(
+                amp.auto_mixed_precision(model, "O2", torch.bfloat16), inputs
             )
         for backward in (False, True):
             if backward and args.breakdown:
