@@ -213,3 +213,32 @@ def test_metrics_name_the_overflowing_module_when_debugging() -> None:
     step(bad, y)
     assert step.overflow
     assert step.metrics()["overflow_module"] == "(inputs)"
+
+
+class _Lookup(nn.Module):
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(3, 4, sparse=sparse)
+
+    def forward(self, i: torch.Tensor) -> torch.Tensor:
+        return (self.emb(i) * torch.arange(4.0)).sum()  # returns its loss
+
+
+def test_a_sparse_gradient_with_repeated_indices_counts_as_its_dense_gradient() -> None:
+    """``nn.Embedding(sparse=True)``'s gradient holds one row per lookup, uncoalesced: the
+    norm (and clipping by it) is that of the summed rows, as for the dense gradient."""
+    idx = torch.tensor([0, 0, 0, 2])
+    runs = {}
+    for sparse in (True, False):
+        net = _Lookup(sparse)
+        opt = torch.optim.SGD(net.parameters(), lr=1.0)
+        step = amp.build_train_network(net, opt, None, "O0", clip_grad_norm=1.0)
+        step(idx)
+        runs[sparse] = step.grad_norm, net.emb.weight.detach().clone()
+    # the dense gradient: row 0 holds 3 * arange(4), row 2 arange(4): norm sqrt(10 * 14)
+    assert runs[False][0] == pytest.approx(math.sqrt(140), rel=1e-6)
+    assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-6)
+    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=0, atol=1e-6)
+    g = torch.sparse_coo_tensor(torch.tensor([[1, 1]]), torch.tensor([[3.0], [4.0]]), (2, 1))
+    assert float(amp.training.grads.total_norm([g])) == pytest.approx(7.0)

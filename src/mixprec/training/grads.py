@@ -53,10 +53,11 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _group(
-    tensors: object, argument: str, *, strict: bool = False
+    tensors: object, argument: str, *, strict: bool = False, coalesce: bool = False
 ) -> dict[tuple[torch.device, torch.dtype], list[Any]]:
-    """Floating, non-empty tensors by (device, dtype); sparse ones by their values,
-    complex ones by their real view.
+    """Floating, non-empty tensors by (device, dtype); sparse ones by their values
+    (summed over repeated indices first with ``coalesce``: what a norm needs, where a finiteness
+    check or an in-place scale does not), complex ones by their real view.
 
     Other tensors are skipped, or with ``strict`` refused.
     """
@@ -72,7 +73,9 @@ def _group(
             raise TypeError(f"{argument} must hold tensors (or None); got {t!r} at item {i}")
         if strict and t is not None and not (t.is_floating_point() or t.is_complex()):
             raise TypeError(f"{argument} must be floating tensors; got {t.dtype} at item {i}")
-        values = t._values() if t is not None and t.is_sparse else t
+        values = t
+        if t is not None and t.is_sparse:
+            values = (t.coalesce() if coalesce else t)._values()
         if values is not None and values.is_complex():
             values = torch.view_as_real(values)
         if values is not None and values.is_floating_point() and values.numel() > 0:
@@ -264,8 +267,9 @@ def mark_unscaled(grads: Sequence[torch.Tensor | None], found: torch.Tensor) -> 
 def total_norm(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """The L2 norm of all the tensors together, as a 0-dim float32 tensor (no host sync).
 
-    Sparse tensors count by their values, complex ones by their real view; ``None`` and
-    non-floating tensors are skipped; an empty input has norm 0.
+    A sparse tensor counts as the dense tensor it stands for (its values summed over
+    repeated indices, as ``nn.Embedding(sparse=True)``'s gradient holds them), a complex one
+    by its real view; ``None`` and non-floating tensors are skipped; an empty input has norm 0.
 
     Example:
         >>> total_norm([torch.tensor([3.0]), torch.tensor([4.0])])
@@ -273,7 +277,7 @@ def total_norm(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """
     parts: list[torch.Tensor] = []
     with torch.no_grad():
-        for group in _group(tensors, "tensors").values():
+        for group in _group(tensors, "tensors", coalesce=True).values():
             parts.extend(torch._foreach_norm(group))
     if not parts:
         return torch.zeros(())

@@ -82,7 +82,7 @@ def choose_initial_scale(grads: list[torch.Tensor], dtype: torch.dtype) -> torch
     if not grads:
         return torch.tensor(math.inf)
     device = grads[0].device
-    values = [(g._values() if g.is_sparse else g).float() for g in grads]
+    values = [(g.coalesce()._values() if g.is_sparse else g).float() for g in grads]
     norms = torch._foreach_norm([v for v in values if v.numel()] or [torch.zeros(1)], ord=math.inf)
     amax = torch.stack([n.to(device) for n in norms]).max()
     exponent = torch.floor(torch.log2(INITIAL_GRADIENT_TARGET / amax))
