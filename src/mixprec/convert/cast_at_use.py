@@ -191,7 +191,13 @@ class CastState:
         """``tensor`` in the low dtype, cast once per outermost call."""
         hit = frame.casts.get(id(tensor))
         if hit is not None and hit[0] is tensor:
-            return hit[1]
+            # (a cast made under no_grad or inference_mode serves no use that needs its
+            # gradient or saves it for backward: see _cast_for)
+            if hit[1].requires_grad or (not tensor.requires_grad and hit[2] != -1):
+                return hit[1]
+            if not torch.is_grad_enabled():
+                return hit[1]
+            return _recast(frame, tensor, hit, self.dtype)
         return _cast_for(frame, tensor, self.dtype)
 
 
@@ -217,6 +223,22 @@ def _cast_for(frame: _Frame, tensor: torch.Tensor, dtype: torch.dtype) -> torch.
         version = -1
     frame.casts[id(tensor)] = (tensor, low, version)
     return low
+
+
+def _recast(
+    frame: _Frame,
+    tensor: torch.Tensor,
+    old: tuple[torch.Tensor, torch.Tensor, int],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """A fresh cast of ``tensor`` for a use with gradients on, where this call's cast
+    ``old`` was made under ``torch.no_grad()`` (no gradient path) or ``inference_mode``
+    (cannot be saved for backward): a forward that computes a target under no_grad first,
+    or a block run once under a re-entrant checkpoint and once plainly. A write the forward
+    made into the old cast goes into ``tensor`` first."""
+    if old[2] != -1 and old[1]._version != old[2]:
+        write_back(tensor, old[1])
+    return _cast_for(frame, tensor, dtype)
 
 
 class _Spec(NamedTuple):
@@ -293,7 +315,11 @@ class LowParameters(dict[str, Any]):
             return value
         hit = frame.casts.get(id(value))
         if hit is not None and hit[0] is value:
-            return hit[1]
+            if hit[1].requires_grad or (not value.requires_grad and hit[2] != -1):
+                return hit[1]
+            if not torch.is_grad_enabled():  # (a no-grad cast, and no grad wanted now)
+                return hit[1]
+            return _recast(frame, value, hit, self.state.dtype)
         return _cast_for(frame, value, self.state.dtype)
 
     def items(self) -> Any:

@@ -175,7 +175,13 @@ class RuntimeListMode(TorchFunctionMode):
         except RuntimeError:  # an inference tensor
             return to_dtype(leaf, dtype)
         if hit is not None and hit[0] is leaf and hit[1] == version:
-            return hit[2]
+            made = hit[2]
+            # (a cast made under no_grad has no gradient path, one made under inference_mode
+            # cannot be saved for backward: a use with gradients on casts again)
+            if made.requires_grad or not torch.is_grad_enabled():
+                return made
+            if not leaf.requires_grad and not made.is_inference():
+                return made
         base = leaf._base
         cast = None
         if (
@@ -208,6 +214,8 @@ class RuntimeListMode(TorchFunctionMode):
         if hit is None or hit[0] is not base or hit[1] != base._version:
             return None
         cast = hit[2]
+        if cast.is_inference() and torch.is_grad_enabled():  # (made under inference_mode)
+            return None
         if (
             base.storage_offset() != cast.storage_offset()
             or base.stride() != cast.stride()
