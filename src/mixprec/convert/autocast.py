@@ -145,15 +145,27 @@ class AutocastForward(ForwardBase):
         device = self.device_type
         if self.as_written or (self.may_get_nested and any_nested(args, kwargs)):
             with torch.autocast(device, enabled=False):
-                return type(module).forward(module, *args, **kwargs)
+                return (
+                    type(module).forward(module, *args, **kwargs)
+                    if self.own is None
+                    else self.own(*args, **kwargs)
+                )
         if torch.is_autocast_enabled(device):
             if not self.root:
                 if torch.get_autocast_dtype(device) == self.dtype:  # inside the model
-                    return type(module).forward(module, *args, **kwargs)
+                    return (
+                        type(module).forward(module, *args, **kwargs)
+                        if self.own is None
+                        else self.own(*args, **kwargs)
+                    )
             elif not self.warned:
                 self._warn_outer()
         with torch.autocast(device, self.dtype):
-            return type(module).forward(module, *args, **kwargs)
+            return (
+                type(module).forward(module, *args, **kwargs)
+                if self.own is None
+                else self.own(*args, **kwargs)
+            )
 
     def _warn_outer(self) -> None:
         self.warned = True
@@ -177,7 +189,11 @@ class Fp32Forward(ForwardBase):
             return nn.Module._call_impl(module, *args, **kwargs)
         args, kwargs = _cast_floating((args, kwargs), torch.float32)
         with standing_aside(), torch.autocast(self.device_type, enabled=False):
-            return type(module).forward(module, *args, **kwargs)
+            return (
+                type(module).forward(module, *args, **kwargs)
+                if self.own is None
+                else self.own(*args, **kwargs)
+            )
 
 
 class _RegionLocal(threading.local):
@@ -316,7 +332,9 @@ class ListedForward(InRegion):
         self.as_written = isinstance(module, FAST_PATH_MODULES)
         self.may_get_nested = under_fast_path  # only a fast path makes nested tensors
         #: an ``nn.ReLU`` whose one call (white at O1) is made here, without its kernel
-        self.relu = type(module).forward is nn.ReLU.forward and "relu" in region.names
+        self.relu = (
+            type(module).forward is nn.ReLU.forward and "relu" in region.names and self.own is None
+        )
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
         if _dynamo_compiling():  # (ForwardBase.target and the region, inline: the hot call)
@@ -330,7 +348,11 @@ class ListedForward(InRegion):
             depth, local.depth = local.depth, 0  # children enter afresh
             try:
                 with standing_aside():
-                    return type(module).forward(module, *args, **kwargs)
+                    return (
+                        type(module).forward(module, *args, **kwargs)
+                        if self.own is None
+                        else self.own(*args, **kwargs)
+                    )
             finally:
                 local.depth = depth
         if local.depth:  # inside the model: the region's mode is active
@@ -344,13 +366,21 @@ class ListedForward(InRegion):
                 out = _direct_relu(local.mode, args[0], region.keyset)
                 if out is not NotImplemented:
                     return out
-            return type(module).forward(module, *args, **kwargs)
+            return (
+                type(module).forward(module, *args, **kwargs)
+                if self.own is None
+                else self.own(*args, **kwargs)
+            )
         if not (_all_float32(args) and _all_float32(kwargs.values())):
             args, kwargs = _cast_call(args, kwargs, torch.float32, _needs_up)
         local.depth, local.mode = 1, region.mode()
         try:
             with region.applying(local.mode):
-                out = type(module).forward(module, *args, **kwargs)
+                out = (
+                    type(module).forward(module, *args, **kwargs)
+                    if self.own is None
+                    else self.own(*args, **kwargs)
+                )
         finally:
             local.depth, local.mode = 0, None
         return out if isinstance(out, torch.Tensor) and out.dtype == torch.float32 else _up(out)
@@ -384,7 +414,8 @@ class WhiteForward(InRegion):
         self.inner = inner
         self.inputs_low = inputs_low
         #: a built-in layer whose one call is made here, without its operator's kernel
-        self.direct = _direct_kind(module) if inner is None and not inputs_low else None
+        one_call = inner is None and not inputs_low and self.own is None
+        self.direct = _direct_kind(module) if one_call else None
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
         if _dynamo_compiling():  # (ForwardBase.target and the region, inline: the hot call)
@@ -435,14 +466,22 @@ class WhiteForward(InRegion):
                 return tuple(map(down, value)) if type(value) is tuple else value
 
             args, kwargs = tuple(map(down, args)), {k: down(v) for k, v in kwargs.items()}
-            return type(module).forward(module, *args, **kwargs)
+            return (
+                type(module).forward(module, *args, **kwargs)
+                if self.own is None
+                else self.own(*args, **kwargs)
+            )
         if self.direct is not None and not kwargs and len(args) == 1:
             out = self._direct(mode, args[0])
             if out is not NotImplemented:
                 return out
         mode.back = False  # the layer's one white-list call keeps its result low
         try:
-            return type(module).forward(module, *args, **kwargs)
+            return (
+                type(module).forward(module, *args, **kwargs)
+                if self.own is None
+                else self.own(*args, **kwargs)
+            )
         finally:
             mode.back = True
 
@@ -558,8 +597,8 @@ def o1_kind(module: nn.Module, region: Region) -> O1Kind:
     """How O1 runs ``module``, a module on the recipe's white list."""
     for cls, function in _ONE_CALL_LAYERS:
         if isinstance(module, cls):
-            if type(module).forward is not cls.forward:
-                return O1Kind.INPUTS_LOW
+            if type(module).forward is not cls.forward or "forward" in module.__dict__:
+                return O1Kind.INPUTS_LOW  # a forward of its own (its class's, its instance's)
             if region.table.get(function) is Precision.LOW:
                 return O1Kind.ONE_CALL
     return O1Kind.WHOLE

@@ -316,10 +316,15 @@ class ForwardBase:
 
     module: nn.Module
     key: str  # the module's key (:func:`~mixprec.convert.structure.owner`)
+    #: a ``forward`` the module held on its instance before conversion (a monkeypatch, an
+    #: accelerate hook): it runs where the class's forward would
+    own: Callable[..., Any] | None
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.key = register(module)
+        own = module.__dict__.get("forward")
+        self.own = None if isinstance(own, ForwardBase) else own
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -393,19 +398,31 @@ class RuntimeForward(ForwardBase):
             return nn.Module._call_impl(module, *args, **kwargs)
         if any_nested(args, kwargs):  # only a built-in fast path makes these: run as written
             with standing_aside():
-                return type(module).forward(module, *args, **kwargs)
+                return (
+                    type(module).forward(module, *args, **kwargs)
+                    if self.own is None
+                    else self.own(*args, **kwargs)
+                )
         running = _only_list_mode()
         if running is not None:  # the common case: lend it this module's decisions
             saved = running.table, running.default, running.back
             running.table, running.default, running.back = self.table, self.default, self.back
             try:
-                out = type(module).forward(module, *args, **kwargs)
+                out = (
+                    type(module).forward(module, *args, **kwargs)
+                    if self.own is None
+                    else self.own(*args, **kwargs)
+                )
             finally:
                 running.table, running.default, running.back = saved
         else:
             mode = RuntimeListMode(self.table, self.default, self.dtype, self.back)
             with standing_aside(), mode:
-                out = type(module).forward(module, *args, **kwargs)
+                out = (
+                    type(module).forward(module, *args, **kwargs)
+                    if self.own is None
+                    else self.own(*args, **kwargs)
+                )
         return out if self.output_dtype is None else cast_tree(out, self.output_dtype)
 
 

@@ -14,6 +14,7 @@ The instance slots a conversion layers on a copied module (``forward``, ``_param
 
 from __future__ import annotations
 
+import functools
 import itertools
 import types
 import weakref
@@ -48,7 +49,9 @@ def structural_copy(module: nn.Module, memo: dict[int, nn.Module] | None = None)
 
     A submodule that appears twice in the tree (a shared block) is copied once and
     appears twice in the copy. Hook dictionaries are copied, so hooks registered on the
-    copy stay on the copy.
+    copy stay on the copy. A method bound to the module and set on its instance (a patched
+    ``forward``, or accelerate's hook's ``functools.partial`` of the module) is bound to
+    the copy, so it computes with the copy's children.
     """
     memo = {} if memo is None else memo
     if id(module) in memo:
@@ -59,6 +62,12 @@ def structural_copy(module: nn.Module, memo: dict[int, nn.Module] | None = None)
     for key, value in module.__dict__.items():
         if "hooks" in key and isinstance(value, dict):
             state[key] = type(value)(value)
+    for key, value in module.__dict__.items():  # methods bound to the original: the copy's
+        if isinstance(value, types.MethodType) and value.__self__ is module:
+            state[key] = types.MethodType(value.__func__, new)
+    own = state.get("forward")  # accelerate's hooks bind the module as a partial's first
+    if isinstance(own, functools.partial) and own.args and own.args[0] is module:
+        state["forward"] = functools.partial(own.func, new, *own.args[1:], **own.keywords)
     state["_parameters"] = dict(module._parameters)
     state["_buffers"] = dict(module._buffers)
     state["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
