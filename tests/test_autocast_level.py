@@ -239,3 +239,35 @@ def test_compiles_with_no_more_graph_breaks_than_torch_autocast() -> None:
     with torch.autocast("cpu", BF16):
         _, theirs_count = count_casts(model, x)
     assert counter.total == theirs_count.total
+
+
+class _OwnAutocast(nn.Module):
+    """Turns autocast off around its head (a numerically sensitive layer), and runs a
+    pair of layers under a float16 autocast of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 4)
+        self.pair = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        with torch.autocast("cpu", enabled=False):
+            head = self.head(h.float())
+        with torch.autocast("cpu", torch.float16):
+            pair = self.pair(x)
+        return h, head, pair
+
+
+def test_a_torch_autocast_inside_the_forward_holds_for_its_children() -> None:
+    model = _OwnAutocast()
+    x = torch.randn(2, 4)
+    ours, theirs = _level(model)(x), _theirs(model, x)
+    assert [t.dtype for t in ours] == [t.dtype for t in theirs]
+    assert [t.dtype for t in ours] == [BF16, torch.float32, torch.float16]
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+    # a child called directly still enters the level's region
+    assert _level(model).head(x).dtype == BF16

@@ -109,11 +109,24 @@ def _cast_floating(
     return _cast_call(call[0], call[1], dtype, needs)
 
 
+class _Inside(threading.local):
+    """How many autocast-level entries (a root, a submodule called directly) this thread
+    is inside: a module called inside one keeps the autocast state its caller's code set."""
+
+    def __init__(self) -> None:
+        self.depth = 0  # (in each thread's own dict from the start: one guard under compile)
+
+
+_INSIDE = _Inside()
+
+
 class AutocastForward(ForwardBase):
     """A module's ``forward``: its own forward inside ``torch.autocast``.
 
-    Inside the model's region (autocast already on with the level's dtype) it calls the
-    forward directly; a direct call of the module (an entry point) enters the region. The
+    Inside the model (below an entry) it calls the forward directly, under the autocast
+    state the code around it set: the region's, or the user's own ``torch.autocast``
+    (disabled, or of another dtype), which holds for the children as under
+    ``torch.autocast``. A direct call of the module (an entry point) enters the region. The
     root entered under the user's own ``torch.autocast`` warns once (inside the model the
     level's dtype and pins apply). A call with nested tensors (only a built-in fast path
     makes them; autocast has no kernels for them) and a module with a built-in fast path
@@ -143,29 +156,39 @@ class AutocastForward(ForwardBase):
         if not _mixprec_hooked and takes_hook_path(module, self):
             return nn.Module._call_impl(module, *args, **kwargs)
         device = self.device_type
+        inside = _INSIDE
         if self.as_written or (self.may_get_nested and any_nested(args, kwargs)):
-            with torch.autocast(device, enabled=False):
-                return (
-                    type(module).forward(module, *args, **kwargs)
-                    if self.own is None
-                    else self.own(*args, **kwargs)
-                )
-        if torch.is_autocast_enabled(device):
-            if not self.root:
-                if torch.get_autocast_dtype(device) == self.dtype:  # inside the model
+            depth, inside.depth = inside.depth, 0  # children enter afresh
+            try:
+                with torch.autocast(device, enabled=False):
                     return (
                         type(module).forward(module, *args, **kwargs)
                         if self.own is None
                         else self.own(*args, **kwargs)
                     )
-            elif not self.warned:
-                self._warn_outer()
-        with torch.autocast(device, self.dtype):
+            finally:
+                inside.depth = depth
+        if inside.depth and not self.root:
+            # inside the model: the autocast state the code around it set (the region's,
+            # or the user's own torch.autocast, disabled or of another dtype, as under
+            # torch.autocast)
             return (
                 type(module).forward(module, *args, **kwargs)
                 if self.own is None
                 else self.own(*args, **kwargs)
             )
+        if self.root and not self.warned and torch.is_autocast_enabled(device):
+            self._warn_outer()
+        inside.depth += 1  # an entry: the root, or a submodule called directly
+        try:
+            with torch.autocast(device, self.dtype):
+                return (
+                    type(module).forward(module, *args, **kwargs)
+                    if self.own is None
+                    else self.own(*args, **kwargs)
+                )
+        finally:
+            inside.depth -= 1
 
     def _warn_outer(self) -> None:
         self.warned = True
