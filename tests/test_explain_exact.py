@@ -183,3 +183,53 @@ def test_explain_without_inputs_keeps_the_static_view() -> None:
     plan = amp.explain(converted)
     assert plan.assumption == "each floating input is one float32 tensor"
     assert {row.kind.value for row in plan.rows} <= {"inputs", "weights", "island", "outputs"}
+
+
+class _Cache:
+    """A KV cache as transformers' ``DynamicCache`` holds one: an object, no container."""
+
+    def __init__(self, first: torch.Tensor) -> None:
+        self.keys = [first]
+
+
+class _Appends(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
+        h = self.fc(x)
+        cache.keys.append(h)
+        cache.keys[0].add_(1.0)
+        return h + cache.keys[0]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_explain_leaves_an_object_argument_as_it_was(level: str) -> None:
+    converted = amp.auto_mixed_precision(_Appends(), level, "bf16")
+    x = torch.randn(2, 4)
+    first = torch.zeros(2, 4)
+    cache = _Cache(first)
+    with CastCounter() as counter:
+        converted(x, _Cache(first.clone()))
+    assert amp.explain(converted, x, cache).num_casts == counter.total
+    assert len(cache.keys) == 1
+    assert cache.keys[0] is first
+    assert torch.equal(first, torch.zeros(2, 4))
+
+
+def test_explain_leaves_a_transformers_kv_cache_as_it_was() -> None:
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16)
+    converted = amp.auto_mixed_precision(tf.GPT2LMHeadModel(config).eval(), "O2", "bf16")
+    ids = torch.randint(0, 32, (1, 4))
+    cache = tf.DynamicCache(config=config)
+    with torch.no_grad():
+        converted(ids, past_key_values=cache, use_cache=True)
+        amp.explain(converted, ids[:, :1], past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 4
+        layer = cache.layers[0]
+        assert type(layer.keys) is torch.Tensor
+        converted(ids[:, :1], past_key_values=cache, use_cache=True)  # still real
+    assert cache.get_seq_length() == 5

@@ -16,6 +16,7 @@ argument or random-number state changes.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import inspect
@@ -287,6 +288,21 @@ def explain(network: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> 
         return _for_inputs(plan, network, example_inputs, example_kwargs)
 
 
+_IMMUTABLE = (int, float, complex, bool, str, bytes, torch.dtype, torch.device, type(None))
+
+
+def _private(leaf: Any, memo: dict[int, Any]) -> Any:
+    """``leaf`` (an argument that is no tensor and no container) as a copy of its own for
+    :func:`explain`'s fake call, where a forward may write into it; as it is where it
+    cannot change or does not copy."""
+    if isinstance(leaf, (torch.Tensor, *_IMMUTABLE)) or callable(leaf):
+        return leaf
+    try:
+        return copy.deepcopy(leaf, memo)
+    except Exception:  # an object that does not copy: lent as it is
+        return leaf
+
+
 def _fake_limits() -> tuple[type[BaseException], ...]:
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
@@ -345,11 +361,20 @@ def _measured(
 
     rng = torch.random.get_rng_state()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = pytree.tree_map_only(torch.Tensor, fake.from_tensor, (args, kwargs))
+    memo: dict[int, Any] = {}  # a real tensor's id -> its fake (for deepcopy, below)
+
+    def as_fake(tensor: torch.Tensor) -> torch.Tensor:
+        memo[id(tensor)] = made = fake.from_tensor(tensor)
+        return made
+
     state: dict[str, torch.Tensor] = {  # every Parameter and buffer as a fake, for the call
-        name: fake.from_tensor(tensor)
+        name: as_fake(tensor)
         for name, tensor in (*network.named_parameters(), *network.named_buffers())
     }
+    fakes = pytree.tree_map_only(torch.Tensor, as_fake, (args, kwargs))
+    # an object argument (a transformers KV cache) is the forward's to write: it gets a
+    # copy, whose tensors already seen are their fakes
+    fakes = pytree.tree_map(lambda leaf: _private(leaf, memo), fakes)
     pre = module_hooks.register_module_forward_pre_hook(where.push)
     post = module_hooks.register_module_forward_hook(where.pop, always_call=True)
     try:
