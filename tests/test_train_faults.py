@@ -49,6 +49,12 @@ def test_clip_grad_norm_must_be_positive_and_finite(clip: float) -> None:
         _step(clip_grad_norm=clip)
 
 
+@pytest.mark.parametrize("clip", ["1.0", True, [1.0]], ids=["str", "bool", "list"])
+def test_clip_grad_norm_of_another_type_is_a_type_error(clip: object) -> None:
+    with pytest.raises(TypeError, match=r"clip_grad_norm must be a positive finite number"):
+        _step(clip_grad_norm=clip)
+
+
 def test_optimizer_over_another_models_parameters_is_refused() -> None:
     model, other = MLP(), MLP()
     with pytest.raises(ValueError, match="optimizer holds none of network's parameters"):
@@ -450,3 +456,15 @@ def test_default_fp16_manager_picks_its_first_scale_from_the_first_gradients() -
     assert 2.0**8 <= step.loss_scale <= 2.0**24
     step(x, y)
     assert not step.overflow
+
+
+@pytest.mark.parametrize("with_loss_fn", [True, False])
+def test_a_loss_that_is_not_a_scalar_is_a_type_error_naming_its_shape(with_loss_fn: bool) -> None:
+    model = MLP()
+    loss_fn = (lambda out, y: (out - out.detach()) ** 2) if with_loss_fn else None
+    step = amp.build_train_network(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn)
+    source = "loss_fn" if with_loss_fn else "the network"
+    with pytest.raises(TypeError, match=rf"{source} must return the loss as a floating scalar "
+                       r"tensor; got a float32 tensor of shape \(\d+, \d+\)"):  # fmt: skip
+        step(*_data()) if with_loss_fn else step(_data()[0])
+    assert all(p.grad is None for p in model.parameters())

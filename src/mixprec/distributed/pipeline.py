@@ -75,8 +75,11 @@ class _ClipAcross:
     seam: every stage runs it on every optimizer step, before the optimizer step)."""
 
     def __init__(self, max_norm: float, group: Any) -> None:
-        number = not isinstance(max_norm, bool) and isinstance(max_norm, (int, float))
-        if not number or not math.isfinite(max_norm) or max_norm <= 0:
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            raise TypeError(
+                f"clip_grad_norm must be a positive finite number or None; got {max_norm!r}"
+            )
+        if not math.isfinite(max_norm) or max_norm <= 0:
             raise ValueError(
                 f"clip_grad_norm must be a positive finite number or None; got {max_norm!r}"
             )

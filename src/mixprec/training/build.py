@@ -217,12 +217,9 @@ def _resolve(
     if steps < 1:
         raise ValueError(f"accumulation_steps must be a positive int; got {steps!r}")
     clip = clip_grad_norm
-    if clip is not None and (
-        isinstance(clip, bool)
-        or not isinstance(clip, (int, float))
-        or not math.isfinite(clip)
-        or clip <= 0
-    ):
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))):
+        raise TypeError(f"clip_grad_norm must be a positive finite number or None; got {clip!r}")
+    if clip is not None and (not math.isfinite(clip) or clip <= 0):
         raise ValueError(f"clip_grad_norm must be a positive finite number or None; got {clip!r}")
     config = TrainConfig(
         level,

@@ -214,7 +214,15 @@ def _as_loss(value: Any, source: str) -> torch.Tensor:
             f"output, so it has a gradient); got {what}"
         )
     if value.dim() != 0:
-        raise ValueError(f"the loss must be a scalar tensor; got shape {tuple(value.shape)}")
+        hint = (
+            " (a reduced loss: pass a loss_fn, or reduce it in the forward)"
+            if source == "the network"
+            else " (reduce it: .mean() or .sum())"
+        )
+        raise TypeError(
+            f"{source} must return the loss as a floating scalar tensor; got a "
+            f"{str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}{hint}"
+        )
     return value.float()
 
 
