@@ -306,3 +306,41 @@ def test_autocast_on_the_encoder_fast_path_fails_in_pytorch() -> None:
         pytest.raises(RuntimeError, match="expected scalar type"),
     ):
         encoder(x, src_key_padding_mask=PAD)
+
+
+class _Writes(nn.Module):
+    """A layer with weights of its own that writes into containers its parent passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(
+        self, x: torch.Tensor, cache: list[torch.Tensor], store: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        y = x @ self.w
+        cache.append(y)
+        store["y"] = y
+        return y
+
+
+class _Passes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = _Writes()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        cache: list[torch.Tensor] = []
+        store: dict[str, torch.Tensor] = {}
+        y = self.child(x.float() * 2.0, cache, store)  # a float32 tensor: the child casts it
+        return y, len(cache), len(store)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_container_argument_with_nothing_to_cast_is_the_callers_object(level: str) -> None:
+    torch.manual_seed(0)
+    model = _Passes()
+    x = torch.randn(2, 4)
+    y, appended, filled = amp.auto_mixed_precision(model, level, "bf16")(x)
+    assert (appended, filled) == (1, 1)
+    torch.testing.assert_close(y, model(x)[0], rtol=0.05, atol=0.05)

@@ -38,6 +38,7 @@ calls, because no cheap check could tell a cached cast is still exact.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import threading
@@ -46,6 +47,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.compiler import is_dynamo_compiling as _dynamo_compiling
 from torch.nn.modules.module import (
@@ -419,12 +421,31 @@ def cast_args(
     args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args`` and ``kwargs`` with every floating tensor in them cast to ``dtype``
-    (containers included); the same objects when nothing needs a cast."""
+    (containers included); the same objects when nothing needs a cast, and each argument
+    that holds nothing to cast (a list the forward appends to, a dict it fills) the same
+    object in any case."""
     with torch._C.DisableTorchFunction():  # mixprec's casts are not the model's ops
         if settled(args, dtype) and (not kwargs or settled(kwargs.values(), dtype)):
             return args, kwargs  # the common case: nothing to cast, no tree walk
-        cast: tuple[tuple[Any, ...], dict[str, Any]] = cast_tree((args, kwargs), dtype)
-    return cast
+        cast_pos, cast_kwargs = cast_tree((args, kwargs), dtype)  # (aliases stay aliases)
+        cast_pos = tuple(_kept_if_settled(a, c, dtype) for a, c in zip(args, cast_pos, strict=True))
+        cast_kwargs = {k: _kept_if_settled(kwargs[k], c, dtype) for k, c in cast_kwargs.items()}
+    return cast_pos, cast_kwargs
+
+
+def _kept_if_settled(given: Any, cast: Any, dtype: torch.dtype) -> Any:
+    """``given``, an argument of :func:`cast_args`, where it is a container that holds no
+    tensor to cast (its rebuilt copy ``cast`` would lose what the forward writes into it);
+    else ``cast``."""
+    if cast is given or isinstance(given, torch.Tensor):
+        return cast
+    for leaf in pytree.tree_leaves(given):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.dtype != dtype and is_castable(leaf):
+                return cast
+        elif dataclasses.is_dataclass(leaf):  # (cast_tree looks inside it)
+            return cast
+    return given
 
 
 #: PyTorch's modules whose ``forward`` takes a fused fast path (``nn.TransformerEncoder``'s
