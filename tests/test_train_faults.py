@@ -468,3 +468,11 @@ def test_a_loss_that_is_not_a_scalar_is_a_type_error_naming_its_shape(with_loss_
                        r"tensor; got a float32 tensor of shape \(\d+, \d+\)"):  # fmt: skip
         step(*_data()) if with_loss_fn else step(_data()[0])
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_plateau_scheduler_is_refused_at_build() -> None:
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    with pytest.raises(TypeError, match=r"lr_scheduler=ReduceLROnPlateau steps on a metric"):
+        amp.build_train_network(model, optimizer, nn.MSELoss(), lr_scheduler=plateau)

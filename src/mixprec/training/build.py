@@ -148,6 +148,12 @@ def _check_hooks(
             raise TypeError(
                 f"lr_scheduler must have a step() method (a torch LRScheduler); got {lr_scheduler!r}"
             )
+        if isinstance(lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError(
+                "lr_scheduler=ReduceLROnPlateau steps on a metric the step does not have: "
+                "leave it out and call scheduler.step(metric) yourself, e.g. after each "
+                "validation"
+            )
         owner = getattr(lr_scheduler, "optimizer", optimizer)
         if owner is not optimizer:
             raise ValueError("lr_scheduler was built on another optimizer than the step's")
