@@ -227,3 +227,9 @@ def test_cli_module_does_not_import_rich() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "imported", out.stderr
+
+
+@pytest.mark.parametrize("lint", ["yes", 1, None])
+def test_the_lint_option_must_be_a_bool(lint: object) -> None:
+    with pytest.raises(TypeError, match=r"lint must be a bool \(True or False\); got "):
+        mixprec.auto_mixed_precision(MLP(), "O2", "bf16", lint=lint)  # type: ignore[arg-type]

@@ -137,6 +137,8 @@ def auto_mixed_precision(
     """
     network = check_network(network)
     check_emulate(emulate)
+    if not isinstance(lint, bool):
+        raise TypeError(f"lint must be a bool (True or False); got {lint!r}")
     recipe = resolve(network, amp_level, dtype, fp32_modules=fp32_modules, low_modules=low_modules)
     if lint and (recipe.level is not Level.O0 or fp8 is not None):
         _warn_lint(network, recipe, fp32_modules, fp8, fp8_filter)
