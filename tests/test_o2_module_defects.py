@@ -344,3 +344,27 @@ def test_a_container_argument_with_nothing_to_cast_is_the_callers_object(level: 
     y, appended, filled = amp.auto_mixed_precision(model, level, "bf16")(x)
     assert (appended, filled) == (1, 1)
     torch.testing.assert_close(y, model(x)[0], rtol=0.05, atol=0.05)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_module_added_after_conversion_is_named_by_the_dtype_error(level: str) -> None:
+    converted = amp.auto_mixed_precision(nn.Sequential(_Block(), _Block()), level, "bf16")
+    converted[1].b = nn.Linear(4, 4)  # runs unconverted, on float32 weights
+    with pytest.raises(RuntimeError, match="dtype") as caught:
+        converted(torch.randn(2, 4))
+    notes = caught.value.__notes__
+    assert notes == [
+        "mixprec: these modules were added after conversion and run unconverted, on float32 "
+        "weights: 1.b; convert the changed model again (auto_mixed_precision on the original, "
+        "changed the same way)"
+    ]

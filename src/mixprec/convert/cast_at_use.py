@@ -510,13 +510,26 @@ _MIXED_NOTE = (
 )
 
 
-def _explain_mixed(error: RuntimeError, dtype: torch.dtype) -> None:
-    """Add a note to a dtype error raised inside a converted model (once)."""
+def _explain_mixed(error: RuntimeError, dtype: torch.dtype, entry: nn.Module) -> None:
+    """Add a note to a dtype error raised inside a converted model (once); name the
+    modules added after conversion (they run unconverted, on float32 weights)."""
     message = str(error)
     note = _MIXED_NOTE.format(dtype=str(dtype).removeprefix("torch."))
     if any(word in message for word in _DTYPE_ERRORS) and note not in getattr(
         error, "__notes__", ()
     ):
+        added = [
+            name or "(the entry)"
+            for name, module in entry.named_modules()
+            if not isinstance(module.__dict__.get("forward"), ModuleCall)
+        ]
+        if added:
+            note = (
+                f"mixprec: these modules were added after conversion and run unconverted, on "
+                f"float32 weights: {', '.join(added[:8])}{' ...' if len(added) > 8 else ''}; "
+                "convert the changed model again (auto_mixed_precision on the original, "
+                "changed the same way)"
+            )
         error.add_note(note)
 
 
@@ -849,7 +862,7 @@ class ModuleCall:
                 out = self._run(args, kwargs)
             except RuntimeError as error:
                 if frame.depth == 1:
-                    _explain_mixed(error, self.state.dtype)
+                    _explain_mixed(error, self.state.dtype, self.module)
                 raise
             finally:
                 self.state.exit(frame)
