@@ -368,3 +368,54 @@ def test_a_module_added_after_conversion_is_named_by_the_dtype_error(level: str)
         "weights: 1.b; convert the changed model again (auto_mixed_precision on the original, "
         "changed the same way)"
     ]
+
+
+class _Accumulates(nn.Module):
+    """A layer with weights that writes into the float32 tensors its parent passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(
+        self, x: torch.Tensor, total: torch.Tensor, more: list[torch.Tensor]
+    ) -> torch.Tensor:
+        total.add_(1.0)  # a float32 tensor: the layer received its low cast
+        more[0].mul_(2.0)  # one inside a list
+        return x @ self.w
+
+
+class _Counts(nn.Module):
+    def __init__(self, island: bool) -> None:
+        super().__init__()
+        self.layer = _Accumulates()
+        self.norm = nn.LayerNorm(4) if island else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        total, more = torch.zeros(3), [torch.full((3,), 0.5)]
+        y = self.layer(self.norm(x), total, more)
+        y = self.layer(y, total, more)  # twice: each write goes back before the next call
+        return y, total, more[0]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("directly", [False, True])
+def test_a_write_into_a_cast_argument_below_the_root_reaches_the_callers_tensor(
+    level: str, directly: bool
+) -> None:
+    torch.manual_seed(0)
+    model = _Counts(island=True)
+    converted = amp.auto_mixed_precision(model, level, "bf16")
+    x = torch.randn(2, 4)
+    if directly:  # the layer called by itself: it enters the conversion
+        total, more = torch.zeros(3), [torch.full((3,), 0.5)]
+        converted.layer(x, total, more)
+        assert total.tolist() == [1.0] * 3
+        assert more[0].tolist() == [1.0] * 3
+        return
+    y, total, first = converted(x)
+    want_y, want_total, want_first = model(x)
+    assert total.dtype == first.dtype == torch.float32
+    assert torch.equal(total, want_total)
+    assert torch.equal(first, want_first)
+    torch.testing.assert_close(y, want_y, rtol=0.05, atol=0.05)

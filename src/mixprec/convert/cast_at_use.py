@@ -433,6 +433,28 @@ def cast_args(
     return cast_pos, cast_kwargs
 
 
+def cast_pairs(given: Any, cast: Any) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """The tensors of ``given`` (a call's arguments) that ``cast`` (their copy from
+    :func:`cast_args`) holds casts of, each with its cast's version counter now: a write the
+    call makes into one of those casts goes back into the caller's tensor after the call
+    (:func:`written_back`), as it would without the cast. (Inference tensors, which have no
+    version counter, are left out.)"""
+    pairs = []
+    for leaf, low in zip(pytree.tree_leaves(given), pytree.tree_leaves(cast), strict=False):
+        if low is not leaf and isinstance(leaf, torch.Tensor) and isinstance(low, torch.Tensor):
+            version = _version(low)
+            if version != -1:
+                pairs.append((leaf, low, version))
+    return pairs
+
+
+def written_back(pairs: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+    """Each write a call made into a cast of :func:`cast_pairs`, made into its source."""
+    for leaf, low, version in pairs:
+        if low._version != version:
+            write_back(leaf, low)
+
+
 def _kept_if_settled(given: Any, cast: Any, dtype: torch.dtype) -> Any:
     """``given``, an argument of :func:`cast_args`, where it is a container that holds no
     tensor to cast (its rebuilt copy ``cast`` would lose what the forward writes into it);
@@ -736,6 +758,7 @@ class ModuleCall:
             if frame.depth and not (self.float32 and torch._C._is_any_autocast_enabled()):
                 # a submodule called by its parent: the hot path
                 dtype = self.dtype
+                pairs = None  # the casts of its arguments, when it made any
                 if dtype is not None:
                     if self.island:  # (its caller under the mode: set aside for the island)
                         if frame.active:
@@ -748,18 +771,25 @@ class ModuleCall:
                         or type(first := args[0]) is not torch.Tensor
                         or (first.dtype is not dtype and first.dtype in _CASTABLE)
                     ):
-                        args, kwargs = cast_args(args, kwargs, dtype)
+                        cast_pos, cast_kwargs = cast_args(args, kwargs, dtype)
+                        if cast_pos is not args or cast_kwargs is not kwargs:
+                            pairs = cast_pairs((args, kwargs), (cast_pos, cast_kwargs))
+                        args, kwargs = cast_pos, cast_kwargs
                 if self.loss or (
                     self.buffers_mix and self.module._buffers and _floating(self.module._buffers)
                 ):
-                    if not frame.active:
-                        return self._moded(frame, True, args, kwargs)
-                elif frame.active:
-                    return self._moded(frame, False, args, kwargs)
-                inner = self.inner
-                if inner is not None:
-                    return inner(*args, **kwargs)
-                return type(self.module).forward(self.module, *args, **kwargs)
+                    moded = not frame.active  # (its own code under the mode)
+                else:
+                    moded = frame.active  # (the mode set aside for its own code)
+                if moded:
+                    out = self._moded(frame, not frame.active, args, kwargs)
+                elif self.inner is not None:
+                    out = self.inner(*args, **kwargs)
+                else:
+                    out = type(self.module).forward(self.module, *args, **kwargs)
+                if pairs:  # a write into a cast argument goes back to the caller's tensor
+                    written_back(pairs)
+                return out
         return self._enter(args, kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -785,8 +815,10 @@ class ModuleCall:
             if self.inner is not None:
                 return self.inner(*args)
             return type(self.module).forward(self.module, *args)
-        args, kwargs = cast_args(args, kwargs, self.dtype)  # type: ignore[arg-type]
-        out = self._plain(args, kwargs)
+        cast_pos, cast_kwargs = cast_args(args, kwargs, self.dtype)  # type: ignore[arg-type]
+        out = self._plain(cast_pos, cast_kwargs)
+        if cast_pos is not args or cast_kwargs is not kwargs:
+            written_back(cast_pairs((args, kwargs), (cast_pos, cast_kwargs)))
         if self.output_dtype is None:
             return out
         with torch._C.DisableTorchFunction():
@@ -829,28 +861,31 @@ class ModuleCall:
     def _enter(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call that enters the conversion (the root, or a module called directly),
         or one that needs more than the hot path (a float32 island, a recurrent layer)."""
-        given: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        given: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (see cast_pairs)
         if self.root:
             dtype = self.input_dtype
             casts: dict[int, torch.Tensor] = {}
             cast_pos = tuple(_cast_top(value, dtype, casts) for value in args)
             cast_kwargs = {name: _cast_top(v, dtype, casts) for name, v in kwargs.items()}
-            if not _tracing():
+            if not _tracing():  # (it casts top-level tensors only: no tree to walk)
                 given = [
-                    (leaf, cast, _version(cast))
+                    (leaf, cast, version)
                     for leaf, cast in zip(
                         (*args, *kwargs.values()),
                         (*cast_pos, *cast_kwargs.values()),
                         strict=True,
                     )
-                    if cast is not leaf
+                    if cast is not leaf and (version := _version(cast)) != -1
                 ]
             args, kwargs = cast_pos, cast_kwargs
         elif self.dtype is not None and not self._fused(args, kwargs):
             if torch.compiler.is_compiling():  # no torch-function state inside a graph
                 args, kwargs = cast_tree((args, kwargs), self.dtype)
             else:
-                args, kwargs = cast_args(args, kwargs, self.dtype)
+                cast_pos, cast_kwargs = cast_args(args, kwargs, self.dtype)
+                if cast_pos is not args or cast_kwargs is not kwargs:
+                    given = cast_pairs((args, kwargs), (cast_pos, cast_kwargs))
+                args, kwargs = cast_pos, cast_kwargs
         if _tracing():
             out = self._run(args, kwargs)
         else:
@@ -866,9 +901,7 @@ class ModuleCall:
                 raise
             finally:
                 self.state.exit(frame)
-            for leaf, cast, version in given:
-                if _version(cast) != version:  # the forward wrote into a caller's tensor
-                    write_back(leaf, cast)
+            written_back(given)  # the forward wrote into a caller's tensor
         return out if self.output_dtype is None else cast_tree(out, self.output_dtype)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
