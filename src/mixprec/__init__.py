@@ -12,7 +12,7 @@ from mixprec.convert.api import (
     get_black_list,
     get_white_list,
 )
-from mixprec.convert.cast_at_use import low_precision_parameters
+from mixprec.convert.cast_at_use import float32_parameters, low_precision_parameters
 from mixprec.convert.plan import CastPlan, explain
 from mixprec.diagnose import (
     CalibrationReport,
@@ -60,6 +60,7 @@ __all__ = [
     "dtype_name",
     "explain",
     "find_overflow",
+    "float32_parameters",
     "get_black_list",
     "get_white_list",
     "is_native",

@@ -61,7 +61,7 @@ from torch.overrides import TorchFunctionMode
 from mixprec._warn import warn
 from mixprec.convert.structure import owner, register, takes_hook_path_compiled
 from mixprec.policy import lists
-from mixprec.policy.dtypes import _CAST_METHODS, _CASTABLE, is_castable, to_dtype
+from mixprec.policy.dtypes import _CAST_METHODS, _CASTABLE, dtype_name, is_castable, to_dtype
 from mixprec.policy.ops import cast_tree, only_plain_tensors, op_name
 
 __all__ = [
@@ -110,18 +110,58 @@ def write_back(stored: torch.Tensor, low: torch.Tensor) -> None:
         stored.copy_(torch.where(low != before, low.to(stored.dtype), stored))
 
 
+#: A weight's cast in a running call: (stored, cast, the cast's version when made (-1: an
+#: inference tensor, which has no version counter), the cast's data pointer when made (-1:
+#: a fake or functional tensor))
+_Cast = tuple[torch.Tensor, torch.Tensor, int, int]
+
+
+def _flush(cast: _Cast, listed: set[int] | frozenset[int] = frozenset()) -> None:
+    """A write the forward made into a weight's cast (in place, or ``cast.data = ...``,
+    which moves no version counter: a momentum encoder's update), made into the stored
+    Parameter. ``listed``: the casts ``module.parameters()`` gave out (a write into one of
+    those is an update of the parameters, made in the low dtype: warned of)."""
+    stored, low, version, pointer = cast
+    if low is stored:
+        return
+    if pointer != -1 and low.data_ptr() != pointer:  # ``.data`` replaced
+        if low.shape != stored.shape:
+            with torch.no_grad():
+                stored.data = low.detach().to(stored.dtype)
+            return
+        write_back(stored, low)
+        _warn_low_update(low, "replaced the .data of")
+    elif version != -1 and low._version != version:
+        write_back(stored, low)
+        if id(low) in listed:
+            _warn_low_update(low, "wrote in place into")
+
+
+def _warn_low_update(low: torch.Tensor, how: str) -> None:
+    name = dtype_name(low.dtype)
+    warn(
+        f"mixprec: the forward {how} a Parameter's {name} cast, read from "
+        "parameters() or by name (a momentum or EMA update inside forward?); the update "
+        f"reaches the float32 Parameter rounded to {name}, where a small one is lost. Make "
+        "it in float32: `with mixprec.float32_parameters(module): ...` around it inside the "
+        "forward, or make it outside the forward"
+    )
+
+
 class _Frame:
     """One thread's outermost running call of a conversion: its casts and its mode."""
 
-    __slots__ = ("active", "casts", "depth", "extra", "mode")
+    __slots__ = ("active", "casts", "depth", "extra", "listed", "mode")
 
     def __init__(self, mode: MixedOperands) -> None:
         self.depth = 0
         self.active = False  # whether ``mode`` is on the torch-function stack now
-        # id(stored) -> (stored, its cast, the cast's version when made)
-        self.casts: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        # id(stored) -> (stored, its cast, the cast's version and data pointer when made)
+        self.casts: dict[int, _Cast] = {}
         self.mode = mode
         self.extra: TorchFunctionMode | None = None  # the emulation mode, when emulated
+        #: ids of the casts ``parameters()`` gave out in this call (see :func:`_flush`)
+        self.listed: set[int] = set()
 
 
 class _CastLocal(threading.local):
@@ -177,12 +217,11 @@ class CastState:
         if frame.depth == 0:
             try:
                 with torch._C.DisableTorchFunction():
-                    for stored, low, version in frame.casts.values():
-                        # (-1: an inference tensor, which has no version counter)
-                        if low is not stored and version != -1 and low._version != version:
-                            write_back(stored, low)  # the forward wrote into ``self.weight``
+                    for cast in frame.casts.values():
+                        _flush(cast, frame.listed)  # (the forward wrote into a weight)
             finally:
                 frame.casts.clear()
+                frame.listed.clear()
                 if frame.extra is not None:
                     frame.extra.__exit__(None, None, None)
                     frame.extra = None
@@ -223,14 +262,18 @@ def _cast_for(frame: _Frame, tensor: torch.Tensor, dtype: torch.dtype) -> torch.
         version = low._version
     except RuntimeError:  # an inference tensor has no version counter
         version = -1
-    frame.casts[id(tensor)] = (tensor, low, version)
+    try:
+        pointer = low.data_ptr()
+    except RuntimeError:  # a fake or functional tensor (export, explain) has no data
+        pointer = -1
+    frame.casts[id(tensor)] = (tensor, low, version, pointer)
     return low
 
 
 def _recast(
     frame: _Frame,
     tensor: torch.Tensor,
-    old: tuple[torch.Tensor, torch.Tensor, int],
+    old: _Cast,
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """A fresh cast of ``tensor`` for a use with gradients on, where this call's cast
@@ -238,8 +281,8 @@ def _recast(
     (cannot be saved for backward): a forward that computes a target under no_grad first,
     or a block run once under a re-entrant checkpoint and once plainly. A write the forward
     made into the old cast goes into ``tensor`` first."""
-    if old[2] != -1 and old[1]._version != old[2]:
-        write_back(tensor, old[1])
+    with torch._C.DisableTorchFunction():
+        _flush(old, frame.listed)
     return _cast_for(frame, tensor, dtype)
 
 
@@ -327,12 +370,20 @@ class LowParameters(dict[str, Any]):
     def items(self) -> Any:
         if _tracing() or self.state.frame() is None:
             return dict.items(self)
-        return [(name, self[name]) for name in dict.keys(self)]
+        return [(name, self._listed(name)) for name in dict.keys(self)]
 
     def values(self) -> Any:
         if _tracing() or self.state.frame() is None:
             return dict.values(self)
-        return [self[name] for name in dict.keys(self)]
+        return [self._listed(name) for name in dict.keys(self)]
+
+    def _listed(self, name: str) -> Any:
+        """``self[name]``, for ``parameters()`` in a running call: a cast is remembered as
+        listed (a write into it is a parameter update: see :func:`_flush`)."""
+        value = self[name]
+        if value is not dict.__getitem__(self, name):
+            self.local.frame.listed.add(id(value))
+        return value
 
     def stored(self) -> Iterator[tuple[str, Any]]:
         """``(name, stored tensor)`` for the low-precision names (never cast)."""
@@ -977,6 +1028,57 @@ def low_precision_parameters(converted: nn.Module) -> list[LowParameter]:
             f"converted must be a module converted at O2 or O3; got {type(converted).__name__}"
         )
     return found
+
+
+def float32_parameters(module: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Inside a converted model's forward at O2/O3, where reading a Parameter gives its
+    low-precision cast: for the block, ``module``'s Parameters (those of its submodules
+    too) read as the stored float32 Parameters, so an update the forward makes to them (a
+    momentum encoder's EMA: ``p_k.mul_(m).add_(p_q, alpha=1 - m)``, ``p_k.data = ...``) is
+    made in float32, as on the original model. Writes the forward made into their casts
+    before the block are written into them first; a read after the block casts them
+    afresh. Outside a running call, and at the other levels (which read the Parameters
+    themselves), it changes nothing.
+
+    A module called inside the block runs as if called from outside (its own entry)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"float32_parameters: module must be an nn.Module, got {type(module).__name__}"
+        )
+    return _float32_parameters(module)
+
+
+@contextlib.contextmanager
+def _float32_parameters(module: nn.Module) -> Iterator[None]:
+    states: dict[int, CastState] = {}
+    for child in module.modules():
+        table = child.__dict__.get("_parameters")
+        if isinstance(table, LowParameters):
+            states.setdefault(id(table.state), table.state)
+    saved: list[tuple[CastState, _Frame]] = []
+    for state in states.values():
+        frame = state._local.frame
+        if not frame.depth:
+            continue
+        ids = [
+            id(value)
+            for child in module.modules()
+            if isinstance(table := child.__dict__.get("_parameters"), LowParameters)
+            and table.state is state
+            for _, value in table.stored()
+        ]
+        with torch._C.DisableTorchFunction():
+            for key in ids:  # (their casts' writes first, then fresh casts after)
+                cast = frame.casts.pop(key, None)
+                if cast is not None:
+                    _flush(cast, frame.listed)
+        saved.append((state, frame))
+        state._local.frame = _Frame(MixedOperands(state.dtype))  # (as outside any call)
+    try:
+        yield
+    finally:
+        for state, frame in saved:
+            state._local.frame = frame
 
 
 def reuse_weight_casts(converted: nn.Module) -> contextlib.AbstractContextManager[None]:
