@@ -565,3 +565,33 @@ def test_float32_islands_hold_inside_an_outer_autocast_which_warns_once(level: s
         warnings.simplefilter("error")
         with torch.autocast("cpu", torch.bfloat16):
             converted(x)  # once per conversion
+
+
+class _Keeps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.config = {"scale": 1.0}
+        self.seen: list[int] = []
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.shape[0])
+        self.count += 1
+        return self.fc(x) * self.config["scale"]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "autocast"])
+def test_buffers_and_attributes_are_shared_with_the_original(level: str) -> None:
+    model = _Keeps()
+    converted = amp.auto_mixed_precision(model, level, "bf16")
+    assert converted.fc is not model.fc  # the modules are copies
+    assert converted.config is model.config
+    assert converted.seen is model.seen
+    assert converted.count is model.count
+    converted(torch.randn(3, 2))
+    model.config["scale"] = 0.0  # seen by the converted model's next call
+    out = converted(torch.randn(1, 2))
+    assert model.seen == [3, 1]
+    assert model.count.item() == 2.0
+    assert torch.equal(out, torch.zeros(1, 2))
