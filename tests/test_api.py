@@ -38,6 +38,7 @@ PUBLIC = {
     "dtype_name",
     "explain",
     "find_overflow",
+    "float32_parameters",
     "get_black_list",
     "get_white_list",
     "is_native",
