@@ -18,8 +18,11 @@ guards a bound method by its function, so such models share graphs and carry few
 (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``; unsafe, a diagnostic only):
 the difference is what the guard check costs per call.
 
+``--device cuda`` (with ``--dtype bf16|fp16``) times on the GPU as ``bench_overhead.py``
+does: host time per call, each call starting on an idle GPU.
+
 Run: python benchmarks/bench_compile.py [--rounds 20] [--models bert,gpt2] [--guard-cost]
-[--candidate]
+[--candidate] [--device cuda] [--dtype bf16|fp16]
 """
 
 from __future__ import annotations
@@ -37,15 +40,19 @@ import torch
 from torch import nn
 
 import mixprec as amp
-from bench_overhead import LEVELS, _first_tensor, build, time_rounds
+from bench_overhead import LEVELS, _first_tensor, build, on_device, time_rounds
 from mixprec.convert.autocast import AutocastForward
 
 BASE = "autocast+compile"
 
 
-def _explain(model: nn.Module, inputs: dict[str, torch.Tensor], autocast: bool) -> tuple[int, int]:
-    """(graph breaks, guards) of ``model`` under ``torch._dynamo.explain``."""
-    region = torch.autocast("cpu", torch.bfloat16) if autocast else contextlib.nullcontext()
+def _explain(
+    model: nn.Module, inputs: dict[str, torch.Tensor], autocast: torch.dtype | None
+) -> tuple[int, int]:
+    """(graph breaks, guards) of ``model`` under ``torch._dynamo.explain`` (inside
+    ``torch.autocast`` of dtype ``autocast`` on the model's device, if given)."""
+    device = next(model.parameters()).device.type
+    region = torch.autocast(device, autocast) if autocast else contextlib.nullcontext()
     with region, torch.no_grad():
         found = torch._dynamo.explain(model)(**inputs)
     return found.graph_break_count, len(found.out_guards or ())
@@ -97,28 +104,32 @@ def compiled_call(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable
 
 
 def columns(
-    model: nn.Module, inputs: dict[str, torch.Tensor], candidate: bool
+    model: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    candidate: bool,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, tuple[int, int]]]:
     """One zero-argument compiled call per column, and (graph breaks, guards) of each."""
     original = compiled_call(model, inputs)
+    device = next(model.parameters()).device.type
 
     def theirs() -> torch.Tensor:
-        with torch.autocast("cpu", torch.bfloat16):
+        with torch.autocast(device, dtype):
             return original()
 
-    low = copy.deepcopy(model).to(torch.bfloat16)
+    low = copy.deepcopy(model).to(dtype)
     calls: dict[str, Callable[[], torch.Tensor]] = {
         BASE: theirs,
-        "bf16 model": compiled_call(low, inputs),
+        "low model": compiled_call(low, inputs),
     }
-    explained = {BASE: _explain(model, inputs, True), "bf16 model": _explain(low, inputs, False)}
+    explained = {BASE: _explain(model, inputs, dtype), "low model": _explain(low, inputs, None)}
     for level in LEVELS:
-        converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
-        explained[level] = _explain(converted, inputs, False)
+        converted = amp.auto_mixed_precision(model, level, dtype)
+        explained[level] = _explain(converted, inputs, None)
         calls[level] = compiled_call(converted, inputs)
     if candidate:
-        methods = bound_methods(amp.auto_mixed_precision(model, "autocast", torch.bfloat16))
-        explained["methods"] = _explain(methods, inputs, False)
+        methods = bound_methods(amp.auto_mixed_precision(model, "autocast", dtype))
+        explained["methods"] = _explain(methods, inputs, None)
         calls["methods"] = compiled_call(methods, inputs)
     return calls, explained
 
@@ -134,20 +145,27 @@ def main() -> None:
     parser.add_argument("--models", default="bert,gpt2")
     parser.add_argument("--guard-cost", action="store_true", help="also time with guards skipped")
     parser.add_argument("--candidate", action="store_true", help="add the bound-method column")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # bf16 is slow on an AVX2 CPU: the models are tiny
     torch.set_num_threads(1)  # host time, not thread contention
-    names = (BASE, "bf16 model", *LEVELS, *(("methods",) if args.candidate else ()))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    idle = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    low_name = f"{args.dtype} model"
+    names = (BASE, low_name, *LEVELS, *(("methods",) if args.candidate else ()))
     print("compiled (inductor) host time per call, ratio to torch.autocast around the compiled")
-    print(f"original (median of {args.rounds} interleaved rounds)")
+    print(f"original, on {args.device}, {args.dtype} (median of {args.rounds} interleaved rounds)")
     print(f"{'model':6s} {'pass':8s} {BASE:>18s}" + "".join(f"{n:>11s}" for n in names[1:]))
     for model_name in args.models.split(","):
-        model, inputs = build(model_name)
-        calls, explained = columns(model, inputs, args.candidate)
+        model, inputs = on_device(*build(model_name), args.device)
+        calls, explained = columns(model, inputs, args.candidate, dtype)
+        calls[low_name] = calls.pop("low model")
+        explained[low_name] = explained.pop("low model")
         for backward in (False, True):
             for skip in (False, True) if args.guard_cost and not backward else (False,):
                 timed = _skipping_guards if skip else contextlib.nullcontext
-                med = time_rounds(calls, args.rounds, backward, timed)
+                med = time_rounds(calls, args.rounds, backward, timed, idle)
                 base = med[BASE]
                 label = ("fwd+bwd" if backward else "fwd") + (" -g" if skip else "")
                 row = f"{model_name:6s} {label:8s} {base * 1e3:15.3f} ms"

@@ -14,8 +14,13 @@ float32 output's cast costs, the rebuild of a transformers ``ModelOutput`` inclu
 
 ``--casts`` adds a row per model: the cast kernels one forward of each column launches.
 
+``--device cuda`` runs every column on the GPU (``torch.autocast("cuda", dtype)`` as the
+base): each timed call starts on an idle GPU (a synchronize before it, outside the time)
+and is timed until it returns, without waiting for the GPU, so what is timed is the host
+time that a launch-bound GPU workload waits on. ``--dtype fp16`` times float16 columns.
+
 Run: python benchmarks/bench_overhead.py [--quick] [--models gpt2,bert,t5,resnet] [--breakdown]
-[--casts]
+[--casts] [--device cuda] [--dtype bf16|fp16]
 """
 
 from __future__ import annotations
@@ -127,25 +132,34 @@ def _call(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     return _first_tensor(model(**inputs))
 
 
+def on_device(
+    model: nn.Module, inputs: dict[str, torch.Tensor], device: str
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """``model`` and ``inputs`` moved to ``device``."""
+    return model.to(device), {k: v.to(device) for k, v in inputs.items()}
+
+
 def callers(
-    model: nn.Module, inputs: dict[str, torch.Tensor]
+    model: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, Callable[[], torch.Tensor]]:
-    """One zero-argument call per column (the forward's first tensor output)."""
+    """One zero-argument call per column (the forward's first tensor output), on the
+    device ``model`` is on."""
+    device = next(model.parameters()).device.type
 
     def autocast_call() -> torch.Tensor:
-        with torch.autocast("cpu", torch.bfloat16):
+        with torch.autocast(device, dtype):
             return _first_tensor(model(**inputs))
 
-    low = copy.deepcopy(model).to(torch.bfloat16)
-    low_inputs = {
-        k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()
-    }
+    low = copy.deepcopy(model).to(dtype)
+    low_inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
     found: dict[str, Callable[[], torch.Tensor]] = {
         "torch.autocast": autocast_call,
-        "bf16 model": lambda: _first_tensor(low(**low_inputs)),
+        "low model": lambda: _first_tensor(low(**low_inputs)),
     }
     for level in LEVELS:
-        converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+        converted = amp.auto_mixed_precision(model, level, dtype)
         found[level] = functools.partial(_call, converted, inputs)
     return found
 
@@ -155,12 +169,15 @@ def time_rounds(
     rounds: int,
     backward: bool,
     timed: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    idle: Callable[[], None] = lambda: None,
 ) -> dict[str, float]:
     """Median seconds per call of each, measured in interleaved rounds (after three
-    warm-up calls each; the rounds run inside ``timed()``)."""
+    warm-up calls each; the rounds run inside ``timed()``; ``idle()`` runs before each
+    call, outside its time: a GPU synchronize, so that each call starts on an idle GPU)."""
     grad = torch.enable_grad if backward else torch.no_grad
 
     def once(call: Callable[[], torch.Tensor]) -> float:
+        idle()
         start = time.perf_counter()
         with grad():
             out = call()
@@ -230,30 +247,34 @@ def main() -> None:
     parser.add_argument(
         "--casts", action="store_true", help="add a row: cast kernels per forward of each column"
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     args = parser.parse_args()
     rounds = args.rounds or (5 if args.quick else 40)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     torch.set_num_threads(1)
+    idle = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     diagnostics = ("O3 precast", "O2 out low") if args.breakdown else ()
-    names = ("torch.autocast", "bf16 model", *LEVELS, *diagnostics)
-    print(f"host time per call, ratio to torch.autocast (median of {rounds} interleaved rounds)")
+    names = ("torch.autocast", f"{args.dtype} model", *LEVELS, *diagnostics)
+    print(
+        f"host time per call on {args.device}, {args.dtype}, ratio to torch.autocast "
+        f"(median of {rounds} interleaved rounds)"
+    )
     print(
         f"{'model':8s} {'pass':8s} {'torch.autocast':>14s}"
         + "".join(f"{n:>11s}" for n in names[1:])
     )
     for model_name in args.models.split(","):
-        model, inputs = build(model_name)
-        calls = callers(model, inputs)
+        model, inputs = on_device(*build(model_name), args.device)
+        calls = callers(model, inputs, dtype)
+        calls[f"{args.dtype} model"] = calls.pop("low model")
         if args.breakdown:
-            calls["O3 precast"] = precast(
-                amp.auto_mixed_precision(model, "O3", torch.bfloat16), inputs
-            )
-            calls["O2 out low"] = output_kept(
-                amp.auto_mixed_precision(model, "O2", torch.bfloat16), inputs
-            )
+            calls["O3 precast"] = precast(amp.auto_mixed_precision(model, "O3", dtype), inputs)
+            calls["O2 out low"] = output_kept(amp.auto_mixed_precision(model, "O2", dtype), inputs)
         for backward in (False, True):
             if backward and args.breakdown:
                 continue  # (the up-front casts carry no graph back to the weights)
-            med = time_rounds(calls, rounds, backward)
+            med = time_rounds(calls, rounds, backward, idle=idle)
             base = med["torch.autocast"]
             row = f"{model_name:8s} {'fwd+bwd' if backward else 'fwd':8s} {base * 1e3:11.2f} ms"
             row += "".join(f"{med[n] / base:10.2f}x" for n in names[1:])
