@@ -103,3 +103,37 @@ def test_a_skip_is_reported_as_accelerate_reports_its_own() -> None:
     assert seen == [(False, False), (True, True), (False, False), (False, False)]
     assert scheduler.get_last_lr() == [0.1 * 0.5**3]  # three steps taken, three moves
     assert step.skipped_steps == 1
+
+
+@pytest.mark.parametrize("overflow_at", [None, 3], ids=["clean", "skip"])
+def test_accumulation_steps_the_prepared_scheduler_once_per_optimizer_step(
+    overflow_at: int | None,
+) -> None:
+    # 6 micro-batches, 2 per optimizer step: the steps end at micro-batches 1, 3 and 5
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, optimizer, _ = parts()
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)
+    manager = mixprec.DynamicLossScaleManager(2.0**10, scale_window=100)
+    step, scheduler = prepare(
+        accelerator,
+        model,
+        optimizer,
+        scheduler,
+        loss_fn=nn.MSELoss(),
+        dtype="fp16",
+        loss_scale_manager=manager,
+        emulate=True,
+        accumulation_steps=2,
+    )
+    g = torch.Generator().manual_seed(1)
+    lrs, synced = [], []
+    for i in range(6):
+        x = torch.randn(2, 4, generator=g)
+        step(x * math.inf if i == overflow_at else x, x.sum(1, keepdim=True))
+        synced.append(accelerator.sync_gradients)
+        scheduler.step()
+        lrs.append(scheduler.get_last_lr()[0])
+    assert synced == [False, True] * 3
+    moves = [0, 1, 1, 2, 2, 3] if overflow_at is None else [0, 1, 1, 1, 1, 2]
+    assert lrs == pytest.approx([0.1 * 0.9**m for m in moves], rel=1e-12)
+    assert step.skipped_steps == (overflow_at is not None)

@@ -35,11 +35,15 @@ def _spd() -> torch.Tensor:
 
 def _mha(q: torch.Tensor) -> Any:
     torch.manual_seed(3)
-    w, b = torch.randn(24, 8), torch.randn(24)
-    ow, ob = torch.randn(8, 8), torch.randn(8)
+    w, b, ow, ob = (torch.randn(*shape).to(q.device) for shape in ((24, 8), (24,), (8, 8), (8,)))
     return F.multi_head_attention_forward(
         q, q, q, 8, 2, w, b, None, None, False, 0.0, ow, ob, training=False
     )[0]
+
+
+def _on(like: torch.Tensor, data: Any) -> torch.Tensor:
+    """An index tensor on ``like``'s device (a sample's fixed targets)."""
+    return torch.tensor(data, device=like.device)
 
 
 # name -> (call, inputs). Inputs are float32; the test casts them per list.
@@ -85,10 +89,12 @@ SAMPLES: dict[str, Sample] = {
     "linalg_matrix_power": (lambda a: torch.linalg.matrix_power(a, 3), lambda: (R(3, 3),)),
     "matrix_power": (lambda a: torch.matrix_power(a, 3), lambda: (R(3, 3),)),
     # ---- float32: losses
-    "cross_entropy": (lambda x: F.cross_entropy(x, torch.tensor([0, 1, 2, 3])), lambda: (R(4, 5),)),
-    "nll_loss": (lambda x: F.nll_loss(x, torch.tensor([0, 1, 2, 3])), lambda: (R(4, 5),)),
+    "cross_entropy": (lambda x: F.cross_entropy(x, _on(x, [0, 1, 2, 3])), lambda: (R(4, 5),)),
+    "nll_loss": (lambda x: F.nll_loss(x, _on(x, [0, 1, 2, 3])), lambda: (R(4, 5),)),
     "nll_loss2d": (
-        lambda x: torch._C._nn.nll_loss2d(x, torch.zeros(2, 4, 4, dtype=torch.long)),
+        lambda x: torch._C._nn.nll_loss2d(
+            x, torch.zeros(2, 4, 4, dtype=torch.long, device=x.device)
+        ),
         lambda: (R(2, 3, 4, 4),),
     ),
     # ---- float32: reflection and replication padding (F.pad's reflect/replicate modes)
@@ -116,13 +122,13 @@ SAMPLES: dict[str, Sample] = {
         lambda: (R(4), R(4), R(4)),
     ),
     "multilabel_margin_loss": (
-        lambda x: F.multilabel_margin_loss(x, torch.tensor([[1, 0, -1], [2, -1, 0]])),
+        lambda x: F.multilabel_margin_loss(x, _on(x, [[1, 0, -1], [2, -1, 0]])),
         lambda: (R(2, 3),),
     ),
     "soft_margin_loss": (lambda a, b: F.soft_margin_loss(a, b.sign()), _LOSS_2),
     "triplet_margin_loss": (F.triplet_margin_loss, lambda: (R(4, 5), R(4, 5), R(4, 5))),
     "multi_margin_loss": (
-        lambda x: F.multi_margin_loss(x, torch.tensor([0, 1, 2, 3])),
+        lambda x: F.multi_margin_loss(x, _on(x, [0, 1, 2, 3])),
         lambda: (R(4, 5),),
     ),
     "binary_cross_entropy_with_logits": (
@@ -131,7 +137,7 @@ SAMPLES: dict[str, Sample] = {
     ),
     "hinge_embedding_loss": (lambda a, b: F.hinge_embedding_loss(a, b.sign()), _LOSS_2),
     "cosine_embedding_loss": (
-        lambda a, b: F.cosine_embedding_loss(a, b, torch.tensor([1, -1, 1, -1])),
+        lambda a, b: F.cosine_embedding_loss(a, b, _on(a, [1, -1, 1, -1])),
         _LOSS_2,
     ),
     "poisson_nll_loss": (F.poisson_nll_loss, _LOSS_2),
@@ -142,9 +148,9 @@ SAMPLES: dict[str, Sample] = {
     "ctc_loss": (
         lambda x: F.ctc_loss(
             x.log_softmax(2),
-            torch.tensor([[1, 2]]),
-            torch.tensor([5]),
-            torch.tensor([2]),
+            _on(x, [[1, 2]]),
+            _on(x, [5]),
+            _on(x, [2]),
         ),
         lambda: (R(5, 1, 4),),
     ),
@@ -188,7 +194,7 @@ SAMPLES: dict[str, Sample] = {
     "quantile": (lambda x: torch.quantile(x, 0.3), lambda: (R(10),)),
     "nanquantile": (lambda x: torch.nanquantile(x, 0.3), lambda: (R(10),)),
     "stft": (
-        lambda x: torch.stft(x, 8, return_complex=True, window=torch.ones(8)),
+        lambda x: torch.stft(x, 8, return_complex=True, window=torch.ones(8, device=x.device)),
         lambda: (R(32),),
     ),
     "cdist": (torch.cdist, lambda: (R(3, 4), R(5, 4))),
@@ -262,7 +268,7 @@ SAMPLES: dict[str, Sample] = {
     "concatenate": (lambda a, b: torch.concatenate([a, b]), lambda: (R(2, 3), R(2, 3))),
     "stack": (lambda a, b: torch.stack([a, b]), lambda: (R(2, 3), R(2, 3))),
     "index_copy": (
-        lambda a, b: torch.index_copy(a, 0, torch.tensor([0]), b),
+        lambda a, b: torch.index_copy(a, 0, _on(a, [0]), b),
         lambda: (R(2, 3), R(1, 3)),
     ),
 }

@@ -357,3 +357,213 @@ def test_fsdp2_through_model_parallel_strategy(tmp_path: Path) -> None:
         assert v.dtype == torch.float32
         assert torch.equal(v, second["weights"][k])
     assert "sharded at level 'O2'" in first["refused"]
+
+
+class ManualClip(lightning.LightningModule):
+    """Manual optimization: backward, clip by norm, step (an overflow if asked)."""
+
+    def __init__(self, clip: float, overflow: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+        self.automatic_optimization = False
+        self.clip = clip
+        self.overflow = overflow
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        optimizer = self.optimizers()
+        loss = nn.functional.mse_loss(self.body(x), y)
+        self.manual_backward(loss * math.inf if self.overflow else loss)
+        self.clip_gradients(optimizer, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+MANUAL_CASES = [
+    # O0 with a manager: the scaled gradients are exact in float32 (a power of two)
+    pytest.param("O0", "fp16", 1e-6, id="O0-scaled"),
+    # fp16 compute against an fp32 reference: fp16 rounding of the gradients
+    pytest.param("O2", "fp16", 1e-2, id="O2-fp16"),
+]
+
+
+@pytest.mark.parametrize(("level", "dtype", "tolerance"), MANUAL_CASES)
+def test_manual_optimization_clips_the_unscaled_gradients(
+    level: str, dtype: str, tolerance: float, tmp_path: Path
+) -> None:
+    clip = 0.01
+    reference = ManualClip(clip).body
+    before = weights(reference)
+    x, y = next(iter(data()))
+    nn.functional.mse_loss(reference(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), clip)
+    assert norm > 100 * clip  # the clip binds
+    torch.optim.SGD(reference.parameters(), lr=LR).step()
+    expected = {k: v - before[k] for k, v in weights(reference).items()}
+
+    manager = mixprec.DynamicLossScaleManager(2.0**10, scale_window=100)
+    plugin = MixedPrecision(level, dtype, loss_scale_manager=manager, emulate=True)
+    model = ManualClip(clip)
+    start = weights(model.body)
+    trainer(plugin, tmp_path, limit_train_batches=1).fit(model, data())
+    moved = {k: v - start[k] for k, v in weights(model.body).items()}
+    for k, delta in expected.items():  # one step of LR * clip along the true gradient
+        assert torch.linalg.vector_norm(moved[k] - delta) <= tolerance * torch.linalg.vector_norm(
+            delta
+        ), k
+    assert plugin.skipped_steps == 0
+    assert plugin.loss_scale == 2.0**10
+    assert float(plugin.scaling.grad_norm) == pytest.approx(float(norm), rel=tolerance)
+
+
+def test_manual_optimization_clipped_overflow_is_skipped(tmp_path: Path) -> None:
+    manager = mixprec.DynamicLossScaleManager(2.0**10, scale_window=100)
+    plugin = MixedPrecision("O2", "fp16", loss_scale_manager=manager, emulate=True)
+    model = ManualClip(0.01, overflow=True)
+    start = weights(model)
+    t = trainer(plugin, tmp_path, limit_train_batches=2)
+    t.fit(model, data())
+    assert all(torch.equal(start[k], v) for k, v in weights(model).items())
+    assert plugin.skipped_steps == 2
+    assert plugin.consecutive_overflows == 2
+    assert plugin.loss_scale == 2.0**8
+    assert t.global_step == 0
+
+
+class TwoOptimizers(lightning.LightningModule):
+    """Two halves, two optimizers, two StepLRs (manual optimization); an inf gradient put
+    into one half's weight at chosen batches. Each optimizer's unscaled gradient is
+    checked against the float32 gradient of the loss at its step."""
+
+    def __init__(self, inf_at: dict[int, str], clip_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 1)
+        self.b = nn.Linear(4, 1)
+        self.automatic_optimization = False
+        self.inf_at = inf_at
+        self.clip_first = clip_first
+        self.expected: dict[str, torch.Tensor] = {}
+        self.mismatches: list[tuple[int, str]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        optimizers = dict(zip("ab", self.optimizers(), strict=True))
+        loss = nn.functional.mse_loss(self.a(x) + self.b(x), y)
+        grads = torch.autograd.grad(loss, [self.a.weight, self.b.weight], retain_graph=True)
+        self.expected = dict(zip("ab", grads, strict=True))
+        self.manual_backward(loss)
+        half = self.inf_at.get(batch_idx)
+        if half is not None:
+            getattr(self, half).weight.grad[0, 0] = math.inf
+        if self.clip_first:  # unscales both before either steps
+            for optimizer in optimizers.values():
+                self.clip_gradients(
+                    optimizer, gradient_clip_val=1e6, gradient_clip_algorithm="norm"
+                )
+        for optimizer in optimizers.values():
+            optimizer.step()
+            optimizer.zero_grad()
+        for scheduler in self.lr_schedulers():
+            scheduler.step()
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        half = "a" if optimizer is self.optimizers()[0].optimizer else "b"
+        if half == self.inf_at.get(self.trainer.fit_loop.epoch_loop.batch_idx):
+            return
+        grad = getattr(self, half).weight.grad
+        if not torch.allclose(grad, self.expected[half], rtol=1e-6, atol=0):
+            self.mismatches.append((self.trainer.fit_loop.epoch_loop.batch_idx, half))
+
+    def configure_optimizers(self) -> Any:
+        optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (self.a, self.b)]
+        schedulers = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in optimizers]
+        return optimizers, schedulers
+
+
+@pytest.mark.parametrize("clip_first", [False, True], ids=["step", "clip-then-step"])
+def test_each_scheduler_follows_its_own_optimizers_skip(clip_first: bool, tmp_path: Path) -> None:
+    # b overflows at batch 1, a at batch 2: each skips once, each schedule moves three times
+    manager = mixprec.DynamicLossScaleManager(2.0**10, scale_window=100)
+    plugin = MixedPrecision("O0", loss_scale_manager=manager)
+    model = TwoOptimizers({1: "b", 2: "a"}, clip_first)
+    t = trainer(plugin, tmp_path)
+    t.fit(model, data())
+    assert plugin.skipped_steps == 2
+    assert [s.get_last_lr() for s in model.lr_schedulers()] == [[LR * 0.5**3], [LR * 0.5**3]]
+    # b steps after a's skip moved the scale: b is unscaled by the scale its loss had
+    assert model.mismatches == []
+    assert t.global_step == 2 * BATCHES - 2
+
+
+def test_loop_scaling_state_round_trips_every_field(tmp_path: Path) -> None:
+    from mixprec._outer import LoopScaling
+
+    scaling = LoopScaling(mixprec.DynamicLossScaleManager(2.0**10, scale_window=3))
+    scaling.manager.update_loss_scale(True)  # the manager's own state: 512, bad_steps 1
+    scaling.steps, scaling.skipped_steps = 7, 3
+    scaling.overflow, scaling.consecutive_overflows = True, 2
+    scaling.overflow_module = "body.0"
+    scaling.grad_norm = torch.tensor(2.5)
+    kept = set(vars(scaling)) - LoopScaling.TRANSIENT
+    state = scaling.state_dict()
+    assert set(state) == kept | {"loss_scale_manager"}  # a new field must be saved or transient
+    torch.save(state, tmp_path / "scaling.pt")
+
+    other = LoopScaling(mixprec.DynamicLossScaleManager(2.0**16))
+    other.load_state_dict(torch.load(tmp_path / "scaling.pt", weights_only=True))
+    for name in kept:
+        assert getattr(other, name) == getattr(scaling, name), name
+    assert other.manager.state_dict() == scaling.manager.state_dict()
+    assert other.state_dict() == state
+
+    legacy = {k: state[k] for k in ("loss_scale_manager", "steps", "skipped_steps")}
+    other.load_state_dict(legacy)  # written before the overflow record was kept
+    assert (other.overflow, other.consecutive_overflows, other.overflow_module) == (False, 0, None)
+    with pytest.raises(ValueError, match=r"consecutive_overflows must be an int >= 0; got -1"):
+        other.load_state_dict({**state, "consecutive_overflows": -1})
+    with pytest.raises(ValueError, match="overflow must be a bool; got 'yes'"):
+        other.load_state_dict({**state, "overflow": "yes"})
+
+
+class StateAtStart(lightning.Callback):
+    def __init__(self, plugin: MixedPrecision) -> None:
+        self.plugin = plugin
+        self.seen: tuple[bool, int, str | None] | None = None
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        p = self.plugin
+        self.seen = (p.overflow, p.consecutive_overflows, p.overflow_module)
+
+
+def test_resume_keeps_the_run_of_overflows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mixprec._outer import LoopScaling
+
+    monkeypatch.setattr(LoopScaling, "MAX_CONSECUTIVE_OVERFLOWS", 2)
+    overflow_at = ((0, 2), (0, 3), (1, 0))  # the third in a row is over the limit
+
+    def plugin() -> MixedPrecision:
+        manager = mixprec.DynamicLossScaleManager(2.0**10, scale_window=100)
+        return MixedPrecision("O2", "fp16", loss_scale_manager=manager, emulate=True)
+
+    with pytest.raises(RuntimeError, match="3 consecutive steps"):
+        trainer(plugin(), tmp_path / "a", epochs=2).fit(Tiny(overflow_at), data())
+
+    first = plugin()
+    t = trainer(first, tmp_path / "b", epochs=1)
+    t.fit(Tiny(overflow_at), data())
+    assert (first.overflow, first.consecutive_overflows) == (True, 2)
+    ckpt = tmp_path / "one_epoch.ckpt"
+    t.save_checkpoint(ckpt)
+
+    resumed = plugin()
+    state = StateAtStart(resumed)
+    with pytest.raises(RuntimeError, match="3 consecutive steps"):
+        trainer(resumed, tmp_path / "c", epochs=2, callbacks=[state]).fit(
+            Tiny(overflow_at), data(), ckpt_path=ckpt
+        )
+    assert state.seen == (True, 2, "body.0")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -39,7 +39,11 @@ from mixprec.policy.dtypes import resolve_dtype
 from mixprec.policy.levels import Level, ModulePin, Pins, Recipe, resolve
 from mixprec.training.build import DEFAULT
 from mixprec.training.grads import _inverse_scale, _unscale_grads
-from mixprec.training.scaling import DynamicLossScaleManager, LossScaleManager
+from mixprec.training.scaling import (
+    DynamicLossScaleManager,
+    LossScaleManager,
+    overflow_limit_message,
+)
 
 __all__ = [
     "LoopScaling",
@@ -198,8 +202,33 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def _key(optimizer: Any) -> int:
+    """The identity of ``optimizer`` under its wrappers (Lightning's, Fabric's, Accelerate's,
+    mixprec's ``optimizer`` attribute), so a wrapper and what it wraps are one optimizer."""
+    inner = optimizer
+    for _ in range(8):  # wrappers nest a few deep at most
+        nested = getattr(inner, "optimizer", None)
+        if nested is None or nested is inner:
+            break
+        inner = nested
+    return id(inner)
+
+
+def _state_count(state: Mapping[str, Any], name: str, default: int | None = None) -> int:
+    value = state.get(name, default)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"loss-scaling state: {name} must be an int >= 0; got {value!r}")
+    return value
+
+
 class LoopScaling:
     """Scale, unscale once, check, step or skip, for one framework's loop.
+
+    Each optimizer is unscaled at most once per step of its own (a wrapper and what it
+    wraps count as one), by the scale its loss was multiplied with, and is skipped on
+    its own overflow; :class:`SkipAwareScheduler` follows the optimizer it schedules.
 
     Args:
         manager: the loss-scale policy; None for no scaling (every step is taken).
@@ -210,6 +239,13 @@ class LoopScaling:
         >>> scaling.step(optimizer, optimizer.step)  # None when skipped
     """
 
+    #: a RuntimeError after more consecutive skipped steps than this (as :class:`mixprec.TrainStep`)
+    MAX_CONSECUTIVE_OVERFLOWS: ClassVar[int] = 1000
+    #: what lives within one step or one process only, and is not in :meth:`state_dict`
+    TRANSIENT: ClassVar[frozenset[str]] = frozenset(
+        {"manager", "_found", "_taken", "_taken_total", "_scaled_by"}
+    )
+
     def __init__(self, manager: LossScaleManager | None) -> None:
         self.manager = manager
         self.steps = 0
@@ -218,7 +254,10 @@ class LoopScaling:
         self.consecutive_overflows = 0
         self.overflow_module: str | None = None
         self.grad_norm: torch.Tensor | None = None
-        self._found: dict[int, torch.Tensor] = {}
+        self._found: dict[int, torch.Tensor] = {}  # per optimizer: unscaled this step
+        self._taken: dict[int, int] = {}  # per optimizer: steps taken in this process
+        self._taken_total = 0
+        self._scaled_by: float | None = None  # the scale of the last scaled loss
 
     @property
     def enabled(self) -> bool:
@@ -231,13 +270,17 @@ class LoopScaling:
         return 1.0 if self.manager is None else self.manager.get_loss_scale()
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the loss scale (the loss itself without a manager)."""
-        return loss if self.manager is None else loss * self.loss_scale
+        """``loss`` times the loss scale (the loss itself without a manager); the scale is
+        kept to unscale with, even if another optimizer's step moves it meanwhile."""
+        if self.manager is None:
+            return loss
+        self._scaled_by = scale = self.loss_scale
+        return loss * scale
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Unscale ``optimizer``'s gradients in place (:func:`mixprec.unscale_`), once per
-        step; returns the found-inf flag (a 0-dim bool tensor)."""
-        key = id(optimizer)
+        step of that optimizer; returns the found-inf flag (a 0-dim bool tensor)."""
+        key = _key(optimizer)
         if key not in self._found:
             if self.manager is None:
                 self._found[key] = torch.tensor(False)
@@ -246,21 +289,31 @@ class LoopScaling:
         return self._found[key]
 
     def _unscale(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        used = self.loss_scale if self._scaled_by is None else self._scaled_by
         grads = [p.grad for p in _params(optimizer) if p.grad is not None]
         mesh = next((g.device_mesh for g in grads if hasattr(g, "device_mesh")), None)
         if mesh is None:
-            return unscale_(optimizer, self.loss_scale)
+            return unscale_(optimizer, used)
         # FSDP2: each rank unscales and checks its own shards; the ranks of the mesh
         # agree, so one rank's inf skips the step everywhere
         import torch.distributed as dist
 
         local = [local_shard(g) for g in grads]
         device = local[0].device
-        scale = torch.tensor(self.loss_scale, dtype=torch.float64, device=device)
+        scale = torch.tensor(used, dtype=torch.float64, device=device)
         found = _unscale_grads(local, _inverse_scale(scale))
         for dim in range(mesh.ndim):
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
         return found > 0
+
+    def steps_taken(self, optimizer: Any | None = None) -> int:
+        """Optimizer steps taken in this process by ``optimizer`` (by any, for None)."""
+        return self._taken_total if optimizer is None else self._taken.get(_key(optimizer), 0)
+
+    def _took(self, key: int) -> None:
+        self.steps += 1
+        self._taken[key] = self._taken.get(key, 0) + 1
+        self._taken_total += 1
 
     def step(
         self,
@@ -272,13 +325,19 @@ class LoopScaling:
         update the scale. Returns what ``do_step`` returned, None for a skipped step.
 
         ``model`` (optional) names the module whose gradient overflowed first.
+
+        Raises:
+            RuntimeError: after more than :attr:`MAX_CONSECUTIVE_OVERFLOWS` skipped steps in
+                a row (the count survives a checkpoint).
         """
+        key = _key(optimizer)
         if self.manager is None:
-            self._found.clear()
+            self._found.pop(key, None)
             self.overflow = False
-            self.steps += 1
+            self._took(key)
             return do_step()
         found = self.unscale_(optimizer)
+        self._found.pop(key, None)  # the next backward starts this optimizer's next step
         drop = self.manager.get_drop_overflow_update()
         overflow = bool(found) if drop else False
         self.overflow = overflow
@@ -289,9 +348,14 @@ class LoopScaling:
             self.overflow_module = _first_non_finite(optimizer, model)
         else:
             result = do_step()
-            self.steps += 1
+            self._took(key)
         self.manager.update_loss_scale(overflow)
-        self._found.clear()
+        if self.consecutive_overflows > self.MAX_CONSECUTIVE_OVERFLOWS:
+            fixed = self.manager.is_fixed()
+            raise RuntimeError(
+                "mixprec loss scaling: "
+                + overflow_limit_message(self.consecutive_overflows, self.loss_scale, fixed=fixed)
+            )
         return result
 
     def metrics(self) -> dict[str, float]:
@@ -309,25 +373,52 @@ class LoopScaling:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """The manager's state and the step counts."""
+        """The manager's state, the step counts and the overflow record (the last step's
+        flag, the run of skipped steps, the module that overflowed, the last clipped norm),
+        so a resumed run goes on counting where it stopped."""
         return {
             "loss_scale_manager": None if self.manager is None else self.manager.state_dict(),
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
+            "overflow": self.overflow,
+            "consecutive_overflows": self.consecutive_overflows,
+            "overflow_module": self.overflow_module,
+            "grad_norm": None if self.grad_norm is None else self.grad_norm.detach(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (a state without the overflow record,
+        from an earlier mixprec, loads as no overflow)."""
         manager_state = state.get("loss_scale_manager")
         if (manager_state is None) != (self.manager is None):
             raise ValueError(
                 "the checkpoint's loss scaling does not match this plugin's: "
                 f"checkpoint manager state {manager_state!r}, plugin manager {self.manager!r}"
             )
+        steps = _state_count(state, "steps")
+        skipped = _state_count(state, "skipped_steps")
+        run = _state_count(state, "consecutive_overflows", 0)
+        overflow = state.get("overflow", False)
+        if isinstance(overflow, torch.Tensor) and overflow.numel() == 1:
+            overflow = bool(overflow.item())
+        if not isinstance(overflow, bool):
+            raise ValueError(f"loss-scaling state: overflow must be a bool; got {overflow!r}")
+        module = state.get("overflow_module")
+        if module is not None and not isinstance(module, str):
+            raise ValueError(
+                f"loss-scaling state: overflow_module must be a str or None; got {module!r}"
+            )
+        norm = state.get("grad_norm")
+        if norm is not None and not isinstance(norm, torch.Tensor):
+            raise ValueError(
+                f"loss-scaling state: grad_norm must be a tensor or None; got {norm!r}"
+            )
         if self.manager is not None and manager_state is not None:
             self.manager.load_state_dict(manager_state)
-        self.steps = int(state["steps"])
-        self.skipped_steps = int(state["skipped_steps"])
+        self.steps, self.skipped_steps, self.consecutive_overflows = steps, skipped, run
+        self.overflow, self.overflow_module, self.grad_norm = overflow, module, norm
+        self._found.clear()
+        self._scaled_by = None
 
 
 def _first_non_finite(optimizer: torch.optim.Optimizer, model: nn.Module | None) -> str | None:
@@ -344,21 +435,28 @@ def _first_non_finite(optimizer: torch.optim.Optimizer, model: nn.Module | None)
 class SkipAwareScheduler:
     """A learning-rate scheduler that does not move after a skipped optimizer step.
 
-    It steps only when the optimizer took a step since its own last step, so an
-    overflow skipped by the loss scaling leaves the learning rate where it was. Every
-    other attribute (``state_dict``, ``get_last_lr``, ``optimizer``) is the scheduler's.
+    It steps only when its own optimizer (the scheduler's ``optimizer``; any optimizer
+    for a scheduler without one) took a step since the scheduler's last step, so an
+    overflow skipped by the loss scaling leaves the learning rate where it was, and
+    another optimizer's step or skip does not move it. Every other attribute
+    (``state_dict``, ``get_last_lr``, ``optimizer``) is the scheduler's.
     """
 
     def __init__(self, scheduler: Any, scaling: LoopScaling) -> None:
         self.scheduler = scheduler
         self.scaling = scaling
-        self.seen = scaling.steps
+        self.seen = self.taken()
+
+    def taken(self) -> int:
+        """Steps its optimizer has taken in this process (what ``step`` compares)."""
+        return self.scaling.steps_taken(getattr(self.scheduler, "optimizer", None))
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        """The scheduler's ``step``, unless no optimizer step was taken since the last one."""
-        if self.scaling.steps == self.seen:
+        """The scheduler's ``step``, unless its optimizer took no step since the last one."""
+        taken = self.taken()
+        if taken == self.seen:
             return
-        self.seen = self.scaling.steps
+        self.seen = taken
         self.scheduler.step(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

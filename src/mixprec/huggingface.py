@@ -42,7 +42,7 @@ from mixprec.convert.structure import find_converted
 from mixprec.policy.levels import Level, Pins
 from mixprec.training.build import DEFAULT, build_train_network
 from mixprec.training.scaling import LossScaleManager
-from mixprec.training.step import TrainStep
+from mixprec.training.step import StepSeam, TrainStep
 
 __all__ = ["MixprecCallback", "MixprecTrainer", "prepare"]
 
@@ -272,6 +272,20 @@ class MixprecTrainer(Trainer):
         super().log({**logs, **self.mixprec.metrics()}, *args, **kwargs)
 
 
+class _AccelerateSync(StepSeam):
+    """Tells Accelerate which micro-batch ends an optimizer step (``sync_gradients``), as
+    ``accelerator.accumulate`` does, so a prepared scheduler steps once per optimizer step."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self.gradient_state = accelerator.gradient_state
+
+    def before_forward(
+        self, step: TrainStep, inputs: tuple[Any, ...], kwargs: dict[str, Any], label: Any
+    ) -> None:
+        last = step._micro_step + 1 == step.config.accumulation_steps
+        self.gradient_state._set_sync_gradients(last)
+
+
 def prepare(
     accelerator: Any,
     network: nn.Module,
@@ -290,7 +304,10 @@ def prepare(
     scale. Call ``step(*inputs, label)`` for each batch: it runs forward, backward,
     unscale, the overflow check and the optimizer step. A skipped step is reported as
     Accelerate's own are (``accelerator.optimizer_step_was_skipped``, read lazily), so a
-    scheduler prepared here does not move after it; ``step.overflow`` says the same.
+    scheduler prepared here does not move after it; ``step.overflow`` says the same. With
+    ``accumulation_steps=N`` each call sets ``accelerator.sync_gradients`` (True on the
+    N-th micro-batch only, as ``accelerator.accumulate`` would), so a prepared scheduler
+    steps once per optimizer step (no ``accelerator.accumulate`` is needed).
 
     Warns when the Accelerator was given a ``mixed_precision``: on top of mixprec it is
     an outer autocast that overrides mixprec's float32 modules, and
@@ -314,5 +331,6 @@ def prepare(
     inner = getattr(opt, "optimizer", opt)
     step: TrainStep = build_train_network(model, inner, loss_fn, level, **options)
     report_skips(opt, step)
+    step.seams.append(_AccelerateSync(accelerator))
     accelerator.register_for_checkpointing(step)
     return (step, *rest)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
@@ -159,6 +160,23 @@ class MixedPrecision(_Shared, Precision):
         self._log(model)
         return result
 
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Unscale first (once per step: the step does not unscale again), then clip.
+
+        In automatic optimization the step has unscaled already; in manual optimization
+        ``self.clip_gradients(opt, ...)`` after ``manual_backward`` is where the gradients
+        are unscaled, so the clip bounds the true gradients, and ``opt.step()`` still skips
+        them if they overflowed.
+        """
+        if clip_val > 0 and self.scaling.enabled:
+            self.scaling.unscale_(optimizer)
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip the unscaled gradients; the norm before clipping is logged."""
         params = list(self.main_params(optimizer))
@@ -169,7 +187,7 @@ class MixedPrecision(_Shared, Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         for scheduler in self._schedulers:
-            scheduler.seen = self.scaling.steps
+            scheduler.seen = scheduler.taken()
 
     def _log(self, model: Any) -> None:
         if not self.log_metrics or getattr(model, "_trainer", None) is None:
