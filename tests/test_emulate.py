@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import pickle
 import threading
 import warnings
@@ -347,3 +348,64 @@ def test_emulated_training_step_with_masters_emulates_the_gemms(level: str) -> N
         step(torch.randn(2, 1, 4, 4), torch.tensor([0, 1]))
     assert seen  # the forward's convolution, at least
     assert set(seen) == {torch.float32}  # emulated: float32 kernels on rounded values
+
+
+class _Keywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, *, scale: float = 1.0
+    ) -> torch.Tensor:
+        out = self.fc(x) * scale
+        return out if mask is None else out * mask
+
+
+@pytest.mark.parametrize("level", ["O1", "autocast", "O2", "O3"])
+def test_the_root_forward_shows_the_original_signature(level: str) -> None:
+    """``generate()`` passes ``position_ids`` or ``attention_mask`` only to a forward whose
+    signature names them; ``torch.export`` reads the code object."""
+    model = _Keywords()
+    emulated = amp.auto_mixed_precision(model, level, "bf16", emulate=True)
+    assert inspect.signature(emulated.forward) == inspect.signature(model.forward)
+    assert emulated.forward.__code__ is _Keywords.forward.__code__
+    assert emulated.forward.__code__.co_varnames[:4] == ("self", "x", "mask", "scale")
+    x = torch.randn(2, 4)
+    assert emulated(x, torch.ones(2, 4), scale=2.0).dtype == torch.float32
+    patched = _Keywords()
+    patched.forward = lambda x, y: patched.fc(x + y)  # (an instance forward: its own)
+    emulated = amp.auto_mixed_precision(patched, level, "bf16", emulate=True)
+    assert list(inspect.signature(emulated.forward).parameters) == ["x", "y"]
+
+
+@pytest.mark.parametrize("level", ["O1", "autocast"])
+def test_generate_on_a_left_padded_batch_matches_native(level: str) -> None:
+    """With the signature hidden, ``generate()`` passed no ``position_ids``: the padded
+    row's logits were 0.17 off."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.GPT2Config(
+        vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32, pad_token_id=0
+    )
+    model = tf.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(1, 64, (2, 6))
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0  # left padding
+
+    def generate(net: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        out = net.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=3,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        return out.sequences, out.logits[0]
+
+    native = generate(amp.auto_mixed_precision(model, level, "bf16"))
+    emulated = generate(amp.auto_mixed_precision(model, level, "bf16", emulate=True))
+    assert torch.equal(emulated[0], native[0])
+    assert (emulated[1] - native[1]).abs().max() < 1e-2  # (0 here: same roundings)

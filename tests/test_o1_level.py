@@ -7,6 +7,7 @@ import copy
 import pickle
 import sys
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from torch import nn
 
 import mixprec as amp
 from helpers import count_casts, rel_error
+from mixprec.convert.autocast import ListedForward
 from test_autocast_level import Cache, MaskCache, Recurrent
 
 BF16 = torch.bfloat16
@@ -226,3 +228,57 @@ def test_a_linear_subclass_with_its_own_math_computes_low() -> None:
     # each layer: its input down (the second takes relu's low result), the weight down for
     # the matmul, its result up (the bias is added in float32); relu's result up
     assert counter.casts == {(torch.float32, BF16): 4, (BF16, torch.float32): 3}
+
+
+class _SeesDtypes(nn.Module):
+    """A white-list layer, then ops O1 keeps in float32: ``vecdot`` (on torch.autocast's
+    CPU lower-precision list), softmax and a LayerNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        dot, probs = torch.linalg.vecdot(h, h), torch.softmax(h, -1)
+        out = self.norm(probs + dot[:, None])
+        self.seen += [dot.dtype, probs.dtype, out.dtype]
+        return out
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "mode"])
+@pytest.mark.parametrize("outer", [torch.float16, BF16], ids=["fp16", "bf16"])
+def test_float32_ops_hold_under_an_outer_autocast_which_warns_once(
+    outer: torch.dtype, kernels: bool
+) -> None:
+    """As the other levels keep their float32 modules: the outer autocast is off inside,
+    so the white list computes in the level's dtype and everything else in float32."""
+    torch.manual_seed(0)
+    converted = _o1(_SeesDtypes())
+    forward = converted.__dict__["forward"]
+    assert isinstance(forward, ListedForward)
+    forward.region.kernels = kernels  # the dispatcher's kernels, or the mode (compile's path)
+    low: list[torch.dtype] = []
+    converted.fc.register_forward_hook(lambda m, a, out: low.append(out.dtype))
+    x = torch.randn(3, 4)
+    plain = converted(x)
+    converted.seen.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", outer):
+            first = converted(x)
+            again = converted(x)
+    told = [str(w.message) for w in caught if "outer torch.autocast" in str(w.message)]
+    assert told == [
+        "a model converted by mixprec runs under an outer torch.autocast: inside the model "
+        "the level's own dtype, lists and float32 pins apply"
+    ]  # once per conversion
+    assert low == [BF16] * 3  # the level's dtype, not the outer autocast's
+    assert converted.seen == [torch.float32] * 6
+    assert first.dtype == torch.float32
+    assert torch.equal(first, plain)
+    assert torch.equal(again, plain)
+    with torch.autocast("cpu", outer):
+        assert converted.fc(x).dtype == torch.float32  # a direct call of a submodule too

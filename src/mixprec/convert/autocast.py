@@ -43,6 +43,7 @@ Pins work as at the autocast level (:class:`Fp32Forward`, a forced-low
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import threading
 from collections.abc import Callable, Iterator
@@ -178,7 +179,8 @@ class AutocastForward(ForwardBase):
                 else self.own(*args, **kwargs)
             )
         if self.root and not self.warned and torch.is_autocast_enabled(device):
-            self._warn_outer()
+            self.warned = True
+            warn_outer_autocast()
         inside.depth += 1  # an entry: the root, or a submodule called directly
         try:
             with torch.autocast(device, self.dtype):
@@ -190,12 +192,23 @@ class AutocastForward(ForwardBase):
         finally:
             inside.depth -= 1
 
-    def _warn_outer(self) -> None:
-        self.warned = True
-        warn(
-            "a model converted by mixprec runs under an outer torch.autocast: inside the "
-            "model the level's own dtype, lists and float32 pins apply"
-        )
+
+def warn_outer_autocast() -> None:
+    """The warning of a converted model's call under the user's own ``torch.autocast``
+    (once per conversion)."""
+    warn(
+        "a model converted by mixprec runs under an outer torch.autocast: inside the "
+        "model the level's own dtype, lists and float32 pins apply"
+    )
+
+
+def _outer_autocast() -> bool:
+    """Whether a ``torch.autocast`` is on around a call entering an O1 model: one cheap
+    check, then the devices' (inside another O1 call the first says yes: its region holds
+    the autocast key of a backend this process lacks)."""
+    return torch._C._is_any_autocast_enabled() and (
+        torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+    )
 
 
 class Fp32Forward(ForwardBase):
@@ -243,6 +256,7 @@ class Region:
         self.kernels = dispatch.supports(self.names)
         self.keyset = dispatch.keyset()  # (what a call that makes its own casts excludes)
         self.key = register(self)  # (what a compiled call reads it by: see InRegion)
+        self.warned = False  # (of an outer torch.autocast)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"recipe": self.recipe}  # torch functions and thread state do not pickle
@@ -258,7 +272,29 @@ class Region:
 
     def applying(self, mode: RuntimeListMode) -> Any:
         """The context a call runs in under ``mode``: the white list's kernels (eager), or
-        the mode itself (under ``torch.compile``, or a list with no kernels)."""
+        the mode itself (under ``torch.compile``, or a list with no kernels); under an
+        outer ``torch.autocast``, with it off (:meth:`outer`)."""
+        if _outer_autocast():  # (the one check per call of the model)
+            return self.outer(mode)
+        return self.list_context(mode)
+
+    @contextlib.contextmanager
+    def outer(self, mode: RuntimeListMode) -> Iterator[None]:
+        """A call under the user's own ``torch.autocast`` (warned once): the autocast off
+        inside, as the other levels keep their float32 modules, so O1's list decides:
+        white-list ops in the level's dtype, cast back, every other op in float32."""
+        if not self.warned:
+            self.warned = True
+            warn_outer_autocast()
+        with (
+            torch.autocast("cpu", enabled=False),
+            torch.autocast("cuda", enabled=False),
+            self.list_context(mode),
+        ):
+            yield
+
+    def list_context(self, mode: RuntimeListMode) -> Any:
+        """The white list's kernels (eager), or ``mode`` itself."""
         if self.kernels and not torch.compiler.is_compiling():
             return dispatch.ListRegion(mode)
         return mode

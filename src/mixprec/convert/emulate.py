@@ -47,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 
 from mixprec.convert.cast_at_use import ModuleCall
 from mixprec.convert.plan import CastPlan, Conversion
+from mixprec.convert.runtime import ShowsForward
 from mixprec.convert.structure import (
     CONVERSION_ATTR,
     add_repr_note,
@@ -339,14 +340,19 @@ class _Emulation:
             mode.__exit__(None, None, None)
 
 
-class _Guarded:
+class _Guarded(ShowsForward):
     """The root's ``forward``: leaves the emulation mode when the call is interrupted.
 
-    Picklable (it holds the module and the instance ``forward`` it wraps, if any).
+    It shows the signature of the forward it wraps (``generate()`` reads it to decide
+    which arguments to pass). Picklable (it holds the module and the instance ``forward``
+    it wraps, if any).
     """
 
     def __init__(self, emulation: _Emulation, module: nn.Module, inner: Any) -> None:
         self.emulation, self.module, self.inner = emulation, module, inner
+
+    def shown(self) -> Callable[..., Any] | None:
+        return self.inner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -43,6 +43,7 @@ __all__ = [
     "ForwardBase",
     "RuntimeForward",
     "RuntimeListMode",
+    "ShowsForward",
     "any_nested",
     "decision_table",
     "standing_aside",
@@ -309,12 +310,40 @@ def any_nested(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(v, torch.Tensor) and v.is_nested for v in (*args, *kwargs.values()))
 
 
-class ForwardBase:
-    """What a converted module's ``forward`` (set on the instance) shows to tools:
-    the signature and code object of the module's own forward, so ``inspect`` and
-    ``torch.export`` see the original method."""
+class ShowsForward:
+    """What a ``forward`` set on a module's instance shows to tools: the signature and
+    code object of the forward it stands for, so ``inspect``, ``torch.export`` and
+    transformers' ``generate()`` (which passes ``position_ids``, ``attention_mask`` or
+    ``cache_position`` only to a forward whose signature names them) see the original."""
 
     module: nn.Module
+
+    def shown(self) -> Callable[..., Any] | None:
+        """The forward shown: the instance ``forward`` it wraps, or None (the class's)."""
+        return None
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        shown = self.shown()
+        if shown is None:
+            shown = functools.partial(type(self.module).forward, self.module)
+        return inspect.signature(shown)
+
+    @property
+    def __code__(self) -> types.CodeType:
+        """The shown forward's code object, else (a ``functools.partial``: accelerate's
+        hook) the class forward's."""
+        for function in (self.shown(), type(self.module).forward):
+            code = getattr(function, "__code__", None)
+            if isinstance(code, types.CodeType):
+                return code
+        return type(self).__call__.__code__
+
+
+class ForwardBase(ShowsForward):
+    """A converted module's ``forward`` (set on the instance); it shows tools the
+    signature and code object of the forward it runs (:class:`ShowsForward`)."""
+
     key: str  # the module's key (:func:`~mixprec.convert.structure.owner`)
     #: a ``forward`` the module held on its instance before conversion (a monkeypatch, an
     #: accelerate hook): it runs where the class's forward would
@@ -325,6 +354,9 @@ class ForwardBase:
         self.key = register(module)
         own = module.__dict__.get("forward")
         self.own = None if isinstance(own, ForwardBase) else own
+
+    def shown(self) -> Callable[..., Any] | None:
+        return self.own
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -339,15 +371,6 @@ class ForwardBase:
         """The module, read as a call of it must read it: under ``torch.compile`` by its
         key (its own attribute would be a second path to it, guarded as an alias)."""
         return owner(self.key) if _dynamo_compiling() else self.module
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.signature(functools.partial(type(self.module).forward, self.module))
-
-    @property
-    def __code__(self) -> types.CodeType:
-        code = getattr(type(self.module).forward, "__code__", None)
-        return code if isinstance(code, types.CodeType) else type(self).__call__.__code__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The instance ``forward`` (what ``nn.Module._call_impl`` calls after the hooks,
