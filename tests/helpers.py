@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,16 +14,26 @@ from mixprec.cli.models import SmallCNN, TinyMLP, TinyTransformer
 from mixprec.inspect import CastCounter
 
 __all__ = [
+    "COMPILE_MIN",
     "MLP",
     "CastCounter",
     "ConvBranch",
     "SmallCNN",
     "TinyTransformer",
     "count_casts",
+    "needs_compile",
     "rel_error",
 ]
 
 MLP = TinyMLP
+
+#: The oldest torch whose TorchDynamo compiles a converted model as the tests pin (no
+#: graph break, no recompile); older ones run it eagerly only (docs/compile.md).
+COMPILE_MIN = "2.13"
+needs_compile = pytest.mark.skipif(
+    torch.torch_version.TorchVersion(torch.__version__) < COMPILE_MIN,
+    reason=f"torch.compile of a converted model needs torch {COMPILE_MIN} or later",
+)
 
 
 def count_casts(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, CastCounter]:

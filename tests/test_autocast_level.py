@@ -271,3 +271,30 @@ def test_a_torch_autocast_inside_the_forward_holds_for_its_children() -> None:
         assert torch.equal(a, b)
     # a child called directly still enters the level's region
     assert _level(model).head(x).dtype == BF16
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on a GPU (what :func:`call_device` reads)."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def test_the_region_is_the_device_the_call_runs_on() -> None:
+    """The autocast region follows the model: its Parameters as they are at the call (a
+    model converted on the CPU and moved to a GPU runs under CUDA's autocast), else the
+    first tensor argument (a module without Parameters), else the conversion's device.
+    (tests/test_cuda_levels.py checks the numerics on a GPU.)"""
+    from mixprec.convert.autocast import call_device
+
+    layer = nn.Linear(2, 2)
+    cpu, gpu = torch.zeros(1), torch.zeros(1).as_subclass(_OnCuda)
+    assert call_device(layer, layer.weight, (gpu,), {}, "cuda") == "cpu"  # Parameters first
+    assert call_device(layer, gpu, (cpu,), {}, "cpu") == "cuda"
+    empty = nn.ReLU()
+    assert call_device(empty, None, (3, gpu), {}, "cpu") == "cuda"  # else the first tensor
+    assert call_device(empty, None, (), {"x": gpu}, "cpu") == "cuda"
+    assert call_device(empty, None, (2.0,), {}, "cuda") == "cuda"  # else the conversion's
+    converted = amp.auto_mixed_precision(nn.Sequential(nn.Linear(2, 2)), "autocast", "bf16")
+    assert converted.__dict__["forward"].probe is converted[0].weight

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import mixprec as amp
+from helpers import needs_compile
 from mixprec.boost import plan as boost_plan
 from mixprec.boost.freeze import freeze_schedule, split_groups
 
@@ -202,6 +203,7 @@ def test_boost_config_errors() -> None:
         build(3)
 
 
+@needs_compile
 def test_freezing_under_compile_beyond_the_recompile_limit_is_refused() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(12)))
@@ -222,6 +224,7 @@ def test_freezing_under_compile_beyond_the_recompile_limit_is_refused() -> None:
         )
 
 
+@needs_compile
 def test_compile_with_master_weights_captures_one_graph() -> None:
     """The hooks (the master weights' check of outside writes) stay out of the graph."""
     from torch._dynamo.utils import counters

@@ -13,11 +13,15 @@ import torch
 from torch import nn
 
 import mixprec as amp
+from helpers import needs_compile
 
 LEVELS = ("O1", "autocast", "O2", "O3")
 IDS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
 
-pytestmark = pytest.mark.slow  # one dynamo trace per model and level: ~40 s in all here
+pytestmark = [
+    pytest.mark.slow,
+    needs_compile,
+]  # one dynamo trace per model and level: ~40 s in all here
 
 
 def _model(name: str) -> nn.Module:

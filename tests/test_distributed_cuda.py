@@ -24,12 +24,15 @@ def _sync_bn(rank: int, world: int) -> dict[str, Any]:
         nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(512, 4)
     )
     model = nn.SyncBatchNorm.convert_sync_batchnorm(model).cuda()
+    # what the island's own code receives (a pre-hook sees the caller's input, low, as
+    # under torch.autocast)
+    seen: list[torch.dtype] = []
+    norm = model[1]
+    norm.forward = lambda x: (seen.append(x.dtype), type(norm).forward(norm, x))[1]
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[rank])
     step = amp.build_train_network(
         ddp, torch.optim.SGD(model.parameters(), lr=0.05), nn.CrossEntropyLoss(), "O2", dtype="fp16"
     )
-    seen: list[torch.dtype] = []
-    step.network[1].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
     generator = torch.Generator().manual_seed(rank)
     for _ in range(3):
         x = torch.randn(4, 3, 8, 8, generator=generator).cuda()

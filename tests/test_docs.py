@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import needs_compile
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -42,7 +44,14 @@ def anchors(page: Path) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_name)
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(page, marks=[needs_compile] if page.name == "compile.md" else [])
+        for page in PAGES
+    ],
+    ids=_name,
+)
 def test_python_blocks_run(page: Path) -> None:
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
     for line, source in python_blocks(page):

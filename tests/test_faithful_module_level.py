@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import mixprec as amp
-from helpers import MLP, count_casts, rel_error
+from helpers import MLP, count_casts, needs_compile, rel_error
 from mixprec.convert.cast_at_use import low_precision_parameters
 
 LEVELS = ["O2", "O3"]
@@ -339,6 +339,7 @@ def test_export_matches_eager(level: str) -> None:
     assert torch.equal(exported.module()(x), converted(x))
 
 
+@needs_compile
 @pytest.mark.parametrize("level", LEVELS)
 def test_compile_has_no_graph_breaks_and_matches_eager(level: str) -> None:
     converted = amp.auto_mixed_precision(MLP().eval(), level, torch.bfloat16)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import mixprec as amp
-from helpers import rel_error
+from helpers import needs_compile, rel_error
 from test_faithful_module_level import LEVELS, _grads, _watch
 
 transformers = pytest.importorskip("transformers")
@@ -135,6 +135,7 @@ def test_gpt2_exports_and_matches_eager() -> None:
     assert torch.equal(out, expected)
 
 
+@needs_compile
 def test_bert_compiles_without_graph_breaks() -> None:
     converted = amp.auto_mixed_precision(_bert().eval(), "O2", BF16)
     torch._dynamo.reset()

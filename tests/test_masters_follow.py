@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import mixprec as amp
+from helpers import needs_compile
 
 CASES = [("O2", "bfloat16"), ("O2", "float16"), ("O3", "bfloat16"), ("O3", "float16")]
 
@@ -202,6 +203,7 @@ def test_a_low_copys_data_shares_its_version_counter_and_survives_copies(
         assert weight._version == before + 1
 
 
+@needs_compile
 @pytest.mark.parametrize(("level", "dtype"), CASES)
 def test_a_write_is_computed_with_when_compiled_and_in_inference_mode(
     level: str, dtype: str

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import mixprec as amp
-from helpers import count_casts, rel_error
+from helpers import count_casts, needs_compile, rel_error
 from mixprec.convert.autocast import ListedForward
 from test_autocast_level import Cache, MaskCache, Recurrent
 
@@ -197,6 +197,7 @@ def test_conversion_of_gpt2_small_is_fast() -> None:
     assert time.perf_counter() - start < 0.5
 
 
+@needs_compile
 @pytest.mark.parametrize("level", ["O1", "autocast"])
 def test_compiles_with_no_more_graph_breaks_than_the_original(level: str) -> None:
     torch._dynamo.reset()

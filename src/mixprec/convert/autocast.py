@@ -11,7 +11,9 @@ The level's decision for every op is the one ``torch.autocast`` makes on CPU and
 lists, :mod:`mixprec.policy.lists`, reproduce it op by op), so a converted model runs its
 own, unchanged ``forward`` inside ``torch.autocast(device_type, dtype)``: nothing is
 traced, nothing is snapshotted, and the host cost per op is torch's own (C++, no Python
-per op). Each module's ``forward`` (set on the instance) is one of:
+per op). The device type is the one the call runs on (:func:`call_device`): a model
+converted on the CPU and moved to a GPU afterwards runs under CUDA's autocast. Each
+module's ``forward`` (set on the instance) is one of:
 
 * :class:`AutocastForward`: its own forward, entering the autocast region when called
   from outside it (the root, or a submodule called directly);
@@ -121,6 +123,31 @@ class _Inside(threading.local):
 _INSIDE = _Inside()
 
 
+def _first_parameter(module: nn.Module) -> torch.Tensor | None:
+    return next(module.parameters(), None)
+
+
+def call_device(
+    module: nn.Module,
+    probe: torch.Tensor | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    default: str,
+) -> str:
+    """The device type a call of ``module`` runs on (whose ``torch.autocast`` applies):
+    its Parameters' as they are now (``probe`` is its first: ``.to()``, ``.cuda()`` and
+    ``.cpu()`` move a Parameter in place), else (a module without Parameters) its first
+    tensor argument's, else ``default`` (the device at conversion). ``"cuda"`` or
+    ``"cpu"``, as the level's lists know only those two."""
+    if _dynamo_compiling():  # (``probe`` would be a second path to the Parameter)
+        probe = _first_parameter(module)
+    if probe is None:
+        probe = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+        if probe is None:
+            return default
+    return "cuda" if probe.is_cuda else "cpu"
+
+
 class AutocastForward(ForwardBase):
     """A module's ``forward``: its own forward inside ``torch.autocast``.
 
@@ -132,7 +159,8 @@ class AutocastForward(ForwardBase):
     level's dtype and pins apply). A call with nested tensors (only a built-in fast path
     makes them; autocast has no kernels for them) and a module with a built-in fast path
     chosen from run-time values run their own code as written, autocast off, so PyTorch
-    picks the fast path exactly as it would for the original.
+    picks the fast path exactly as it would for the original. The region is the
+    autocast of the device the call runs on (:func:`call_device`).
     """
 
     def __init__(
@@ -145,7 +173,8 @@ class AutocastForward(ForwardBase):
         under_fast_path: bool = False,
     ) -> None:
         super().__init__(module)
-        self.device_type = device_type
+        self.device_type = device_type  # (at conversion: for a call with nothing to tell)
+        self.probe = _first_parameter(module)
         self.dtype = dtype
         self.root = root
         self.as_written = isinstance(module, FAST_PATH_MODULES)
@@ -156,10 +185,10 @@ class AutocastForward(ForwardBase):
         module = owner(self.key) if _dynamo_compiling() else self.module  # (target, inline)
         if not _mixprec_hooked and takes_hook_path(module, self):
             return nn.Module._call_impl(module, *args, **kwargs)
-        device = self.device_type
         inside = _INSIDE
         if self.as_written or (self.may_get_nested and any_nested(args, kwargs)):
             depth, inside.depth = inside.depth, 0  # children enter afresh
+            device = call_device(module, self.probe, args, kwargs, self.device_type)
             try:
                 with torch.autocast(device, enabled=False):
                     return (
@@ -178,6 +207,7 @@ class AutocastForward(ForwardBase):
                 if self.own is None
                 else self.own(*args, **kwargs)
             )
+        device = call_device(module, self.probe, args, kwargs, self.device_type)
         if self.root and not self.warned and torch.is_autocast_enabled(device):
             self.warned = True
             warn_outer_autocast()
@@ -212,19 +242,21 @@ def _outer_autocast() -> bool:
 
 
 class Fp32Forward(ForwardBase):
-    """A float32-pinned module's ``forward``: autocast off, floating arguments cast up
-    (also under an outer ``torch.autocast``)."""
+    """A float32-pinned module's ``forward``: autocast off (on the device the call runs
+    on), floating arguments cast up (also under an outer ``torch.autocast``)."""
 
     def __init__(self, module: nn.Module, device_type: str) -> None:
         super().__init__(module)
         self.device_type = device_type
+        self.probe = _first_parameter(module)
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
         module = owner(self.key) if _dynamo_compiling() else self.module  # (target, inline)
         if not _mixprec_hooked and takes_hook_path(module, self):
             return nn.Module._call_impl(module, *args, **kwargs)
+        device = call_device(module, self.probe, args, kwargs, self.device_type)
         args, kwargs = _cast_floating((args, kwargs), torch.float32)
-        with standing_aside(), torch.autocast(self.device_type, enabled=False):
+        with standing_aside(), torch.autocast(device, enabled=False):
             return (
                 type(module).forward(module, *args, **kwargs)
                 if self.own is None

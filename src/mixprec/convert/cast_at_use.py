@@ -403,6 +403,13 @@ def _kind(func: Callable[..., Any]) -> int:
     return _LOSS if name in _LOSSES else _FOLLOW
 
 
+@torch.compiler.assume_constant_result
+def _traced_kind(func: Callable[..., Any]) -> int:
+    """:func:`_kind` under ``torch.compile``, answered while TorchDynamo traces (no
+    cache read in the traced code, whose contents it would guard)."""
+    return _kind(func)
+
+
 class MixedOperands(TorchFunctionMode):
     """autocast's rule for operands a model mixes: an op on autocast's lower-precision
     list whose floating operands mix float32 with ``dtype`` runs in ``dtype``; all-float32
@@ -422,11 +429,12 @@ class MixedOperands(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kind = self._kinds.get(func)
-        if kind is None:
-            kind = _kind(func)
-            if not torch.compiler.is_compiling():  # no state the compiler would have to guard
-                self._kinds[func] = kind
+        if torch.compiler.is_compiling():  # answered at trace time: no state to guard
+            kind = _traced_kind(func)
+        elif func in self._kinds:
+            kind = self._kinds[func]
+        else:
+            kind = self._kinds[func] = _kind(func)
         if kind == _FOLLOW:
             return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
@@ -712,6 +720,7 @@ class ModuleCall:
     ) -> None:
         self.module = module
         self.key = register(module)  # (what a compiled call reads it by: see _compiled_call)
+        self.forward_key = register(self)  # (see structure.is_forward_of)
         self.state = state
         self.local = state._local
         self.root = root
@@ -759,12 +768,12 @@ class ModuleCall:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["local"]  # a thread-local cannot be copied: the copy's state has its own
-        del state["code"], state["key"]  # (numbers of this process's tables)
+        del state["code"], state["key"], state["forward_key"]  # (this process's tables)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.key = register(self.module)
+        self.key, self.forward_key = register(self.module), register(self)
         self.local = self.state._local
         self.code = _spec_code(self._spec())
 

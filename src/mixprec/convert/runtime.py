@@ -345,13 +345,14 @@ class ForwardBase(ShowsForward):
     signature and code object of the forward it runs (:class:`ShowsForward`)."""
 
     key: str  # the module's key (:func:`~mixprec.convert.structure.owner`)
+    forward_key: str  # its own (see :func:`~mixprec.convert.structure.is_forward_of`)
     #: a ``forward`` the module held on its instance before conversion (a monkeypatch, an
     #: accelerate hook): it runs where the class's forward would
     own: Callable[..., Any] | None
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.key = register(module)
+        self.key, self.forward_key = register(module), register(self)
         own = module.__dict__.get("forward")
         self.own = None if isinstance(own, ForwardBase) else own
 
@@ -360,12 +361,12 @@ class ForwardBase(ShowsForward):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        del state["key"]  # (a number of this process's table)
+        del state["key"], state["forward_key"]  # (numbers of this process's table)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.key = register(self.module)
+        self.key, self.forward_key = register(self.module), register(self)
 
     def target(self) -> nn.Module:
         """The module, read as a call of it must read it: under ``torch.compile`` by its

@@ -184,16 +184,18 @@ def owner(key: str) -> Any:
 
 
 @torch.compiler.assume_constant_result
-def is_forward_of(forward: Any) -> bool:
-    """Under ``torch.compile``: whether ``forward`` (a converted forward with a ``key``)
-    is still its module's instance ``forward``, answered while TorchDynamo traces.
+def is_forward_of(module_key: str, forward_key: str) -> bool:
+    """Under ``torch.compile``: whether the converted forward registered under
+    ``forward_key`` is still the instance ``forward`` of the module registered under
+    ``module_key``, answered while TorchDynamo traces (from the keys: the arguments of a
+    function whose result is assumed constant must be constants).
 
     Read in the traced code, the module's ``forward`` slot would be the converted
     forward by a second path (see :func:`owner`). Answering at trace time needs no guard
     of its own: TorchDynamo already guards every called module's instance ``forward`` by
     identity, so a forward set later fails that guard and the call is traced again.
     """
-    return owner(forward.key).__dict__.get("forward") is forward
+    return owner(module_key).__dict__.get("forward") is owner(forward_key)
 
 
 def takes_hook_path(module: nn.Module, forward: object) -> bool:
@@ -232,7 +234,7 @@ def takes_hook_path_compiled(module: nn.Module, forward: Any) -> bool:
         or module_hooks._global_forward_hooks
         or module_hooks._global_backward_pre_hooks
         or module_hooks._global_backward_hooks
-        or not is_forward_of(forward)
+        or not is_forward_of(forward.key, forward.forward_key)
     )
 
 
