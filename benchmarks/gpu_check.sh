@@ -41,16 +41,23 @@ timeout 200 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider "${workers[@]}" t
     -o addopts="-ra --strict-markers" --junitxml="$OUT/cuda-tests.xml" 2>&1 \
     | tee "$OUT/cuda-tests.txt" | tail -40
 echo "gpu_check: tests done at $((SECONDS - start)) s"
-# host time per call on the GPU (tiny models: launch-bound), eager then compiled
-(cd benchmarks && timeout 90 "$PYTHON" bench_overhead.py --device cuda --rounds 30 --casts) \
-    2>&1 | grep -v -i warn | tee "$OUT/overhead-bf16.txt"
-(cd benchmarks && timeout 40 "$PYTHON" bench_overhead.py --device cuda --dtype fp16 \
-    --rounds 20 --models gpt2,resnet) 2>&1 | grep -v -i warn | tee "$OUT/overhead-fp16.txt"
-(cd benchmarks && timeout 100 "$PYTHON" bench_compile.py --device cuda --models gpt2 \
-    --rounds 20) 2>&1 | grep -v -i warn | tee "$OUT/compile-bf16.txt"
-# a short benchmark at full size (compute-bound): the MLP and the CNN, bf16 and fp16
+# host time per call on the GPU (tiny models: launch-bound), eager, then compiled (torch
+# 2.13 or later: docs/compile.md), then a training step
+{
+    (cd benchmarks && timeout 90 "$PYTHON" bench_overhead.py --device cuda --rounds 30 --casts)
+    (cd benchmarks && timeout 45 "$PYTHON" bench_overhead.py --device cuda --dtype fp16 \
+        --rounds 20 --models gpt2,resnet)
+    if "$PYTHON" -c "import sys, torch; sys.exit(torch.__version__ < '2.13')"; then
+        (cd benchmarks && timeout 120 "$PYTHON" bench_compile.py --device cuda --models gpt2 \
+            --rounds 20)
+    fi
+    if [ -f benchmarks/bench_step.py ]; then
+        (cd benchmarks && timeout 60 "$PYTHON" bench_step.py --device cuda)
+    fi
+} 2>&1 | grep -v -i -E "warn|transformers\]" | tee "$OUT/host-time.txt"
+# a short benchmark at full size: the MLP and the CNN, bf16 and fp16
 for dtype in bf16 fp16; do
     timeout 35 "$PYTHON" -m mixprec.cli bench --device cuda --dtype "$dtype" --models mlp,cnn \
-        --repeats 10 --warmup 3 --out "$OUT/bench-$dtype.json" 2>&1 | tee "$OUT/bench-$dtype.txt"
+        --repeats 10 --warmup 3 2>&1 | tee "$OUT/bench-$dtype.txt"
 done
 echo "gpu_check: done in $((SECONDS - start)) s; results in $OUT/"
