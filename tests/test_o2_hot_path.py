@@ -421,3 +421,49 @@ def test_an_output_beside_an_object_of_its_own_is_cast_as_the_tree_walk_casts_it
         assert walked[0] is walked[2].value is walked[3][0]  # (one memo for the walk)
     finally:
         pytree._deregister_pytree_node(Node)
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2.0)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_an_island_called_with_one_tensor_walks_no_tree(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A norm's call (one tensor in: what a float32 island meets on every device whose
+    norm kernel takes one dtype, CUDA's LayerNorm and RMSNorm among them) casts it with no
+    tree walk, computes as casting up and back would, and a write into the cast reaches
+    the caller's tensor."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.RMSNorm(4), _WritesItsInput(), nn.Linear(4, 4))
+    converted = amp.auto_mixed_precision(model, "O2", dtype, fp32_modules=["2"])
+    x = torch.randn(3, 4)
+    walks: list[Any] = []
+    import torch.utils._pytree as pytree
+
+    real = pytree.tree_leaves
+    monkeypatch.setattr(pytree, "tree_leaves", lambda *a, **k: walks.append(a) or real(*a, **k))
+    with torch.no_grad():
+        out = converted(x)
+    assert not walks
+    with torch.no_grad():
+        h = nn.functional.linear(x.to(dtype), model[0].weight.to(dtype), model[0].bias.to(dtype))
+        h = model[1](h.float()).to(dtype)
+        h32 = h.float() * 2.0
+        h = model[2].fc(h32).to(dtype)
+        expected = nn.functional.linear(h, model[3].weight.to(dtype), model[3].bias.to(dtype))
+    torch.testing.assert_close(out, expected.float())
+    seen: list[torch.Tensor] = []
+    converted[2].register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    with torch.no_grad():
+        converted(x)
+    # the caller's (low) tensor took the island's in-place write, rounded to its dtype
+    assert seen[0].dtype == dtype
+    torch.testing.assert_close(seen[0].float(), h32.to(dtype).float())

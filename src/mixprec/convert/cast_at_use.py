@@ -392,6 +392,9 @@ class LowParameters(dict[str, Any]):
                 yield name, value
 
 
+#: Tensor types an island takes on its fast path (plain tensors: no rules of their own).
+_TENSOR_TYPES = frozenset((torch.Tensor, nn.Parameter))
+
 _FOLLOW, _LOWER, _LOSS = 0, 1, 2
 
 
@@ -875,14 +878,32 @@ class ModuleCall:
             if self.inner is not None:
                 return self.inner(*args)
             return type(self.module).forward(self.module, *args)
-        cast_pos, cast_kwargs = cast_args(args, kwargs, self.dtype)  # type: ignore[arg-type]
-        out = self._plain(cast_pos, cast_kwargs)
-        if cast_pos is not args or cast_kwargs is not kwargs:
-            written_back(cast_pairs((args, kwargs), (cast_pos, cast_kwargs)))
+        if not kwargs and len(args) == 1 and type(args[0]) in _TENSOR_TYPES:
+            out = self._one_tensor(args[0])  # a norm's call: no tree to walk
+        else:
+            cast_pos, cast_kwargs = cast_args(args, kwargs, self.dtype)  # type: ignore[arg-type]
+            out = self._plain(cast_pos, cast_kwargs)
+            if cast_pos is not args or cast_kwargs is not kwargs:
+                written_back(cast_pairs((args, kwargs), (cast_pos, cast_kwargs)))
         if self.output_dtype is None:
             return out
         with torch._C.DisableTorchFunction():
             return cast_tree(out, self.output_dtype)
+
+    def _one_tensor(self, given: torch.Tensor) -> Any:
+        """:meth:`_island_body`'s own code run on one tensor argument, cast to the
+        island's dtype (what :func:`cast_args` and :func:`cast_pairs` make of it, without
+        their tree walks): a write into the cast goes back into ``given``."""
+        dtype = self.dtype
+        if given.dtype == dtype or not is_castable(given):
+            return self._plain((given,), {})
+        with torch._C.DisableTorchFunction():  # mixprec's casts are not the model's ops
+            cast = to_dtype(given, dtype)  # type: ignore[arg-type]
+        version = _version(cast)
+        out = self._plain((cast,), {})
+        if version != -1 and cast._version != version:
+            write_back(given, cast)
+        return out
 
     def _fused(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether this island's kernel takes ``args`` as they are."""
