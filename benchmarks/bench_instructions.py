@@ -80,8 +80,9 @@ def child(model_name: str, column: str, calls: int, grad: bool) -> None:
         torch._C._valgrind_toggle()
 
 
-def count(model_name: str, column: str, calls: int, grad: bool = False) -> int:
-    """Instructions of ``calls`` forwards of one column, counted by callgrind."""
+def callgrind(script: str, child_args: list[str], label: str) -> int:
+    """Instructions ``script --child *child_args`` collects (it toggles collection itself
+    with ``torch._C._valgrind_toggle()``), counted by valgrind's callgrind."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "callgrind.out")
         done = subprocess.run(
@@ -91,22 +92,25 @@ def count(model_name: str, column: str, calls: int, grad: bool = False) -> int:
                 "--collect-atstart=no",
                 f"--callgrind-out-file={out}",
                 sys.executable,
-                __file__,
+                script,
                 "--child",
-                model_name,
-                column,
-                str(calls),
-                "grad" if grad else "nograd",
+                *child_args,
             ],
             capture_output=True,
             text=True,
             check=True,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
         )
-        found = re.search(r"Collected : (\d+)", done.stderr)
-        if found is None:
-            raise RuntimeError(f"callgrind reported no count for {column}:\n{done.stderr[-2000:]}")
-        return int(found.group(1))
+    found = re.search(r"Collected : (\d+)", done.stderr)
+    if found is None:
+        raise RuntimeError(f"callgrind reported no count for {label}:\n{done.stderr[-2000:]}")
+    return int(found.group(1))
+
+
+def count(model_name: str, column: str, calls: int, grad: bool = False) -> int:
+    """Instructions of ``calls`` forwards of one column, counted by callgrind."""
+    args = [model_name, column, str(calls), "grad" if grad else "nograd"]
+    return callgrind(__file__, args, column)
 
 
 def python_calls(models: list[str], columns: list[str], calls: int) -> None:

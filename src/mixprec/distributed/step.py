@@ -91,6 +91,13 @@ class Agreement(Joinable):
         """Whether there are other ranks to agree with."""
         return self.replicas.active
 
+    @property
+    def idle(self) -> bool:
+        """Whether :meth:`communication` has nothing to do: no DDP wrapper, no FSDP2 and no
+        ``Join`` context around the step (the step then skips it)."""
+        replicas = self.replicas
+        return replicas.ddp is None and replicas.fsdp is None and not self._join_config.enable
+
     def run(self, network: nn.Module, *args: Any, **kwargs: Any) -> Any:
         """The forward, through the user's DDP wrapper when there is one: its ``module`` is
         ``network`` for the call only, and is the user's again afterwards."""

@@ -49,7 +49,39 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Move a small state tensor, without blocking unless the copy goes to the host."""
     # Host-to-device and device-to-device copies are async; a device-to-host copy must block
     # (a non_blocking one could be read before it lands), so only that one may wait.
+    if t.device == device:
+        return t
     return t.to(device, non_blocking=device.type != "cpu")
+
+
+class _NoGrad:
+    """``torch.no_grad()`` for the training step's hot path: the same switch, without the
+    Python layers around it (the step enters it several times per call)."""
+
+    __slots__ = ("_before",)
+
+    def __enter__(self) -> None:
+        self._before = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self._before)
+
+
+def _uniform(tensors: Sequence[Any]) -> bool:
+    """Whether ``tensors`` are all dense, real floating tensors of one dtype on one device
+    (what a training step's gradients usually are): one fused kernel takes them as they are,
+    without :func:`_group`'s walk. Empty tensors are fine (the kernels skip them)."""
+    if not tensors:
+        return False
+    try:
+        first = tensors[0]
+        dtype, device, strided = first.dtype, first.device, torch.strided
+        return dtype.is_floating_point and all(
+            t.layout is strided and t.dtype is dtype and t.device == device for t in tensors
+        )
+    except AttributeError:  # None or a non-tensor: the general path says what it is
+        return False
 
 
 def _group(
@@ -140,7 +172,16 @@ def _unscale_grads(grads: Sequence[torch.Tensor | None], inv_scale: torch.Tensor
     """
     if not isinstance(inv_scale, torch.Tensor) or inv_scale.numel() != 1:
         raise TypeError(f"inv_scale must be a one-element tensor; got {inv_scale!r}")
-    inv_scale = inv_scale.reshape(()).float()
+    if inv_scale.dim():
+        inv_scale = inv_scale.reshape(())
+    if inv_scale.dtype != torch.float32:
+        inv_scale = inv_scale.float()
+    if _uniform(grads):  # the usual case: one kernel, no grouping
+        device = grads[0].device  # type: ignore[union-attr]
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        with _NoGrad():
+            _check_and_unscale(list(grads), flag, to_device(inv_scale, device))  # type: ignore[arg-type]
+        return to_device(flag, inv_scale.device)
     found: dict[torch.device, torch.Tensor] = {}
     invs: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
@@ -275,6 +316,12 @@ def total_norm(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         >>> total_norm([torch.tensor([3.0]), torch.tensor([4.0])])
         tensor(5.)
     """
+    if _uniform(tensors):  # the usual case: one fused kernel, no grouping
+        with _NoGrad():
+            stacked = torch.stack(torch._foreach_norm(list(tensors)))  # type: ignore[arg-type]
+            if stacked.dtype != torch.float32:
+                stacked = stacked.float()
+            return torch.linalg.vector_norm(stacked)
     parts: list[torch.Tensor] = []
     with torch.no_grad():
         for group in _group(tensors, "tensors", coalesce=True).values():

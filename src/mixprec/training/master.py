@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from mixprec.convert.cast_at_use import CastState, low_precision_parameters
+from mixprec.training.grads import _NoGrad
 
 __all__ = ["LowParameter", "MasterWeights"]
 
@@ -119,8 +120,9 @@ class MasterWeights:
         self._buffers: list[torch.Tensor] = []
         self._accumulating = False
         self._has_grad: list[bool] = []
-        self._seen: list[tuple[tuple[int, int], tuple[int, int]]] = []
+        self._seen: list[tuple[int, int, int, int, bool, bool]] = []
         self._aliases: list[torch.Tensor] = []
+        self._storages: list[int] | None = None  # the low copies' data pointers, as aliased
         #: requires_grad as last agreed by both copies (a change to either one wins)
         self._trained = [master.requires_grad for master in self.masters]
         self._record()
@@ -157,8 +159,14 @@ class MasterWeights:
             state.on_direct_call = masters.sync  # a submodule called directly, too
         return masters
 
-    @torch.compiler.disable  # eager under torch.compile: it reads version counters
     def _sync_hook(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            self._sync_eagerly()
+        else:
+            self.sync()  # (eager: no compiler wrapper to go through on every forward)
+
+    @torch.compiler.disable  # eager under torch.compile: it reads version counters
+    def _sync_eagerly(self) -> None:
         self.sync()
 
     def _hook_loading(
@@ -174,10 +182,32 @@ class MasterWeights:
 
     # ---------------------------------------------------------------- one source of truth
     def _record(self) -> None:
-        self._seen = [(_key(m), _key(low)) for m, low in zip(self.masters, self.lows, strict=True)]
-        self._aliases = [_alias(low) for low in self.lows]  # a low copy's storage may be new
+        """Note each pair's version counters, storages and agreed ``requires_grad`` (what
+        :meth:`sync` compares with); a low copy whose storage is new gets a new alias."""
+        pairs = zip(self.masters, self.lows, self._trained, strict=True)
+        self._seen = seen = [
+            (m._version, m.data_ptr(), low._version, low.data_ptr(), trained, trained)
+            for m, low, trained in pairs
+        ]
+        storages = [entry[3] for entry in seen]
+        if storages != self._storages:
+            self._aliases = [_alias(low) for low in self.lows]
+            self._storages = storages
 
-    @torch.no_grad()
+    def _now(self) -> list[tuple[int, int, int, int, bool, bool]]:
+        """What :meth:`_record` notes, as the copies are now."""
+        return [
+            (
+                m._version,
+                m.data_ptr(),
+                low._version,
+                low.data_ptr(),
+                m.requires_grad,
+                low.requires_grad,
+            )
+            for m, low in zip(self.masters, self.lows, strict=True)
+        ]
+
     def sync(self) -> None:
         """Reconcile outside writes before a forward: a low copy written since the last
         forward (its version counter moved, its master's did not) is copied up to its
@@ -186,63 +216,95 @@ class MasterWeights:
         forward: that computes with the weights of the forward it replays."""
         if torch._C._current_graph_task_id() != -1:
             return
-        changed = False
-        down: list[int] = []
-        for i, (master, low) in enumerate(zip(self.masters, self.lows, strict=True)):
-            if master.requires_grad != low.requires_grad:  # frozen or unfrozen after build
+        with _NoGrad():
+            if self._now() == self._seen:  # the usual case: nothing written since the last step
+                if self.masters_are_stepped and self.lows:  # (a write that moved no counter)
+                    torch._foreach_copy_(self._aliases, self.masters)
+                return
+            changed = False
+            down: list[int] = []
+            for i, (master, low) in enumerate(zip(self.masters, self.lows, strict=True)):
+                if master.requires_grad != low.requires_grad:  # frozen or unfrozen after build
+                    if master.requires_grad != self._trained[i]:
+                        low.requires_grad_(master.requires_grad)
+                    else:
+                        master.requires_grad_(low.requires_grad)
                 if master.requires_grad != self._trained[i]:
-                    low.requires_grad_(master.requires_grad)
-                else:
-                    master.requires_grad_(low.requires_grad)
-                self._trained[i] = master.requires_grad
-            seen_master, seen_low = self._seen[i]
-            if _key(master) != seen_master:
-                down.append(i)
-                changed = True
-            elif _key(low) != seen_low:
-                master.copy_(low)
-                changed = True
-            elif self.masters_are_stepped:  # a write that moved no counter: copy anyway
-                down.append(i)
-        if changed:
-            self._record()
-        if down:
-            torch._foreach_copy_([self._aliases[i] for i in down], [self.masters[i] for i in down])
+                    self._trained[i] = master.requires_grad
+                    changed = True
+                seen = self._seen[i]
+                if _key(master) != seen[:2]:
+                    down.append(i)
+                    changed = True
+                elif _key(low) != seen[2:4]:
+                    master.copy_(low)
+                    changed = True
+                elif self.masters_are_stepped:  # a write that moved no counter: copy anyway
+                    down.append(i)
+            if changed:
+                self._record()
+            if down:
+                torch._foreach_copy_(
+                    [self._aliases[i] for i in down], [self.masters[i] for i in down]
+                )
 
     # ---------------------------------------------------------------- gradients
-    @torch.no_grad()
     def collect_grads(self) -> None:
         """Move the low-precision gradients onto the masters, in float32, and clear them
         (after every backward, so micro-batches accumulate in float32)."""
-        if len(self._buffers) != len(self.masters):
-            self._buffers = [torch.zeros_like(m, dtype=torch.float32) for m in self.masters]
-        if not self._accumulating:
-            self._has_grad = [False] * len(self.masters)
-        grads = {i: low.grad for i, low in enumerate(self.lows) if low.grad is not None}
-        for i in [i for i, g in grads.items() if g.is_sparse]:  # nn.Embedding(sparse=True)
-            sparse = grads.pop(i).float()
-            master_grad = self.masters[i].grad
-            self.masters[i].grad = (
-                sparse if not self._has_grad[i] or master_grad is None else master_grad + sparse
-            )
-            self._has_grad[i] = True
-            self.lows[i].grad = None
-        for i in [i for i in grads if self.masters[i]._backward_hooks]:
-            grads[i] = _run_grad_hooks(self.masters[i], grads[i].float())
-        add = [i for i in grads if self._has_grad[i]]
-        copy = [i for i in grads if not self._has_grad[i]]
-        if add:
-            torch._foreach_add_([self._buffers[i] for i in add], [grads[i] for i in add])
-        if copy:
-            torch._foreach_copy_([self._buffers[i] for i in copy], [grads[i] for i in copy])
-        for i in grads:
-            self._has_grad[i] = True
-            self.masters[i].grad = self._buffers[i]
-            self.lows[i].grad = None
-        self._accumulating = True
-        for i in grads:  # as autograd runs them on the original, once per backward
-            for post_hook in tuple(_post_hooks(self.masters[i])):
-                post_hook(self.masters[i])
+        with _NoGrad():
+            masters, lows, buffers = self.masters, self.lows, self._buffers
+            if len(buffers) != len(masters):
+                buffers = self._buffers = [
+                    torch.zeros_like(m, dtype=torch.float32) for m in masters
+                ]
+            if not self._accumulating:
+                self._has_grad = [False] * len(masters)
+            has_grad = self._has_grad
+            moved: list[int] = []
+            add_to: list[torch.Tensor] = []
+            add_from: list[torch.Tensor] = []
+            copy_to: list[torch.Tensor] = []
+            copy_from: list[torch.Tensor] = []
+            for i, low in enumerate(lows):
+                grad = low.grad
+                if grad is None:
+                    continue
+                master = masters[i]
+                if grad.is_sparse:  # nn.Embedding(sparse=True)
+                    sparse = grad.float()
+                    master_grad = master.grad
+                    master.grad = (
+                        sparse if not has_grad[i] or master_grad is None else master_grad + sparse
+                    )
+                    has_grad[i] = True
+                    low.grad = None
+                    continue
+                if master._backward_hooks:
+                    grad = _run_grad_hooks(master, grad.float())
+                if has_grad[i]:
+                    add_to.append(buffers[i])
+                    add_from.append(grad)
+                else:
+                    copy_to.append(buffers[i])
+                    copy_from.append(grad)
+                moved.append(i)
+            if add_to:
+                torch._foreach_add_(add_to, add_from)
+            if copy_to:
+                torch._foreach_copy_(copy_to, copy_from)
+            hooked = []
+            for i in moved:
+                has_grad[i] = True
+                master = masters[i]
+                master.grad = buffers[i]
+                lows[i].grad = None
+                if master._post_accumulate_grad_hooks:
+                    hooked.append(master)
+            self._accumulating = True
+            for master in hooked:  # as autograd runs them on the original, once per backward
+                for post_hook in tuple(_post_hooks(master)):
+                    post_hook(master)
 
     def step_done(self) -> None:
         """The next backward starts a new accumulation."""
@@ -255,21 +317,21 @@ class MasterWeights:
             master.grad = None
             low.grad = None
 
-    @torch.no_grad()
     def refresh(self) -> None:
         """Copy the (stepped) masters into the low-precision Parameters."""
-        self._record()
-        if self.lows:
-            torch._foreach_copy_(self._aliases, self.masters)
+        with _NoGrad():
+            self._record()
+            if self.lows:
+                torch._foreach_copy_(self._aliases, self.masters)
 
-    @torch.no_grad()
     def lows_stepped(self, *args: Any) -> None:
         """Without master weights: after an optimizer step of the low copies, copy them up
         to the user's Parameters (a fused kernel moves no version counter to see)."""
         del args  # an optimizer step post hook's (optimizer, args, kwargs)
-        if self.lows:
-            torch._foreach_copy_(self.masters, self.lows)
-        self._record()
+        with _NoGrad():
+            if self.lows:
+                torch._foreach_copy_(self.masters, self.lows)
+            self._record()
 
     # ---------------------------------------------------------------- checkpoints
     def state(self) -> list[torch.Tensor]:
@@ -316,7 +378,7 @@ def _run_grad_hooks(master: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 def _post_hooks(master: torch.Tensor) -> Any:
     hooks = getattr(master, "_post_accumulate_grad_hooks", None)
-    return () if hooks is None else hooks.values()
+    return () if not hooks else hooks.values()
 
 
 @torch.no_grad()

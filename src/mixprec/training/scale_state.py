@@ -42,6 +42,9 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 Check = Callable[[object, str], Any]  # (value, argument name) -> the validated value
 
+#: devices with GradScaler's fused scale-update kernel
+_FUSED_UPDATE_DEVICES = ("cpu", "cuda")
+
 
 def check_number(value: object, name: str, *, low: float, strict: bool = False) -> float:
     """A finite real number ``>= low`` (``> low`` with ``strict``)."""
@@ -214,6 +217,34 @@ class LossScaleState:
             good_steps=move(self.good_steps),
             bad_steps=move(self.bad_steps),
         )
+
+    def update_(self, found: torch.Tensor) -> None:
+        """``assign(adjust(found == 0))`` in a few fused kernels (no host sync): ``found`` is
+        a step's overflow flag, a 0-dim float32 tensor (nonzero = overflow).
+
+        A dynamic scale whose factor is a power of two takes GradScaler's kernel
+        (``torch._amp_update_scale_``: back-off by the factor's exact reciprocal, growth on
+        the window's clean step unless it leaves float32's range), then the floor of 1;
+        every other rule goes through :meth:`adjust`. The result is bit for bit
+        :meth:`adjust`'s."""
+        if found.device != self.scale.device:
+            found = found.to(self.scale.device, non_blocking=True)
+        overflow = found != 0
+        if self.factor is None:  # fixed: only the counters move
+            self.good_steps.add_(1).mul_(~overflow)
+        elif (
+            math.frexp(self.factor)[0] == 0.5
+            and found.dtype == torch.float32
+            and self.scale.device.type in _FUSED_UPDATE_DEVICES
+        ):
+            torch._amp_update_scale_(
+                self.scale, self.good_steps, found, self.factor, 1.0 / self.factor, self.window
+            )
+            self.scale.clamp_min_(1.0)
+        else:
+            self.assign(self.adjust(~overflow))
+            return
+        self.bad_steps.add_(1).mul_(overflow)
 
     def assign(self, other: LossScaleState) -> None:
         """Write ``other``'s tensors into this state's tensors, in place."""

@@ -351,12 +351,12 @@ class LossScaleManager(_Adapter):
         only called when :meth:`device_state` is not None."""
         state = self.device_state()
         assert state is not None
+        if chosen is None:
+            state.update_(found)
+            return
         finite = found == 0
-        if chosen is not None:
-            after = state.adjust(finite)
-            state.assign(dataclasses.replace(after, scale=torch.where(finite, chosen, after.scale)))
-        else:
-            state.assign(state.adjust(finite))
+        after = state.adjust(finite)
+        state.assign(dataclasses.replace(after, scale=torch.where(finite, chosen, after.scale)))
 
     def __repr__(self) -> str:
         parts = {name: float(getattr(self._core, part)) for name, part in self._STATE.items()}

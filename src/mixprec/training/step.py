@@ -33,6 +33,7 @@ there is none: the optimizer skips on the device, and ``overflow``, ``loss_scale
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -52,6 +53,7 @@ from mixprec.training.master import MasterWeights
 from mixprec.training.scale_state import FLOAT32_MAX
 from mixprec.training.scaling import LossScaleManager, NoLossScale, overflow_limit_message
 from mixprec.training.step_state import (
+    GradNorm,
     StepLedger,
     check_checkpoint,
     check_extra_state,
@@ -96,6 +98,13 @@ class StepSeam:
         """The seam must know on the host whether an optimizer step ran (so the step does
         not leave the skip to a fused optimizer on the device)."""
         return False
+
+    @property
+    def inspects_gradients(self) -> bool:
+        """The seam looks at the unscaled gradients in :meth:`after_unscale` (the step then
+        marks them unscaled, so that a ``mixprec.unscale_`` there leaves them alone); by
+        default, whether the subclass overrides :meth:`after_unscale`."""
+        return type(self).after_unscale is not StepSeam.after_unscale
 
     def before_forward(
         self, step: TrainStep, inputs: tuple[Any, ...], kwargs: dict[str, Any], label: Any
@@ -148,6 +157,10 @@ class _UserSeam(StepSeam):
     @property
     def needs_host_decision(self) -> bool:
         return self.hooks.need_host_decision
+
+    @property
+    def inspects_gradients(self) -> bool:
+        return self.hooks.after_unscale is not None
 
     def after_unscale(self, step: TrainStep, params: list[torch.Tensor]) -> None:
         if self.hooks.after_unscale is not None:
@@ -274,7 +287,18 @@ def _loss_of(output: Any, pick: int | str | None = None) -> Any:
 
 
 def _detached(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):  # the common case, without a tree walk
+        return output.detach()
     return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
+
+
+#: the base class's ``zero_grad``: the step clears gradients itself where it is not overridden
+_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
+
+def _profiling() -> bool:
+    """Whether a profiler records (then torch's own labelled calls are made, for their ranges)."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
 class StepMetrics(Mapping[str, Any]):
@@ -364,6 +388,11 @@ class TrainStep(nn.Module):
     MAX_CONSECUTIVE_OVERFLOWS: ClassVar[int] = 1000
     #: without a host sync per step, the limits are checked on every this-many-th step
     LIMIT_CHECK_INTERVAL: ClassVar[int] = 50
+    #: plain Python state the step sets on every call: set straight into the instance's
+    #: ``__dict__``, without ``nn.Module.__setattr__``'s walk of its registries
+    _PLAIN: ClassVar[frozenset[str]] = frozenset(
+        {"_micro_step", "optimizer_steps", "found_inf", "last_output", "_warned"}
+    )
 
     def __init__(
         self,
@@ -394,14 +423,27 @@ class TrainStep(nn.Module):
         self.seams: list[StepSeam] = [_UserSeam(hooks or StepHooks())]
         self.optimizer_steps = 0
         self.found_inf = torch.zeros(())
-        self._grad_norm = torch.tensor(math.nan)  # the last applied step's, on the device
+        #: the last applied step's gradient norm, computed when needed (see GradNorm)
+        self._norms = GradNorm(
+            self._total_norm,
+            eager=config.clip_grad_norm is not None
+            or self.agreement.replicas.fsdp is not None
+            or not type(optimizer).__module__.startswith("torch.optim."),
+        )
         #: the network's output of the last micro-batch (detached; None before the first)
         self.last_output: Any = None
         self._micro_step = 0
         self._ledger = StepLedger()
         self._warned = False
+        self._units: dict[torch.device, torch.Tensor] = {}
         if debug_overflow:
             self.seams.insert(0, _OverflowSeam())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._PLAIN:
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
 
     def _seam(self, kind: type[_S]) -> _S | None:
         return next((seam for seam in self.seams if isinstance(seam, kind)), None)
@@ -487,8 +529,12 @@ class TrainStep(nn.Module):
     @property
     def grad_norm(self) -> float:
         """The L2 norm of the unscaled gradients of the last applied optimizer step (before
-        clipping; NaN before the first). Kept on the device; reading it waits for it."""
-        return float(self._grad_norm)
+        clipping; NaN before the first). Kept on the device; reading it waits for it.
+
+        Without ``clip_grad_norm`` it is computed when first read: a read after a call gives
+        that call's step's norm (its gradients are kept until the next call begins), and from
+        then on every applied step computes it. A read whose gradients went unread is NaN."""
+        return float(self._norms.read())
 
     def metrics(self) -> StepMetrics:
         """What a training loop logs, as a read-only mapping read lazily: nothing waits for
@@ -507,34 +553,35 @@ class TrainStep(nn.Module):
     # ------------------------------------------------------------------ the step
     def forward(self, *inputs: Any, **kwargs: Any) -> torch.Tensor:
         """Run one micro-batch; returns its unscaled float32 loss (detached)."""
-        last = self._micro_step + 1 == self.config.accumulation_steps
+        config = self.config
+        steps = config.accumulation_steps
+        last = self._micro_step + 1 == steps
+        agreement = self.agreement
+        loss_fn = self.loss_fn
+        self._norms.release()  # the last step's gradients go before this backward
         try:
-            if self.loss_fn is not None and not inputs:
+            if loss_fn is not None and not inputs:
                 raise TypeError(
                     "step(*inputs, label): the label is the last positional argument; got none"
                 )
-            network_args = inputs[:-1] if self.loss_fn is not None else inputs
-            label = inputs[-1] if self.loss_fn is not None else None
+            network_args = inputs[:-1] if loss_fn is not None else inputs
+            label = inputs[-1] if loss_fn is not None else None
             for seam in self.seams:
                 seam.before_forward(self, network_args, kwargs, label)
-            with self.agreement.communication(last):
-                if self.loss_fn is not None:
-                    output = self.agreement.run(self.network, *network_args, **kwargs)
-                    self.last_output = _detached(output)
+            # in one process without DDP, FSDP2 or a Join there is nothing to set up
+            with contextlib.nullcontext() if agreement.idle else agreement.communication(last):
+                output = agreement.run(self.network, *network_args, **kwargs)
+                self.last_output = _detached(output)
+                if loss_fn is not None:
                     loss = _as_loss(
-                        self.loss_fn(
-                            cast_tree(output, torch.float32), cast_tree(label, torch.float32)
-                        ),
+                        loss_fn(cast_tree(output, torch.float32), cast_tree(label, torch.float32)),
                         "loss_fn",
                     )
                 else:
-                    output = self.agreement.run(self.network, *inputs, **kwargs)
-                    self.last_output = _detached(output)
-                    loss = _as_loss(_loss_of(output, self.config.output_loss), "the network")
+                    loss = _as_loss(_loss_of(output, config.output_loss), "the network")
                 scale = self._scale_tensor(loss.device)
-                steps = self.config.accumulation_steps
                 if scale is not None:
-                    (loss * (scale / steps)).backward()
+                    (loss * (scale / steps if steps > 1 else scale)).backward()
                 else:
                     (loss / steps if steps > 1 else loss).backward()
             if self.masters is not None:
@@ -545,10 +592,11 @@ class TrainStep(nn.Module):
         finally:
             for seam in self.seams:
                 seam.after_backward(self)
-        self._micro_step += 1
         if last:
             self._micro_step = 0
             self._step()
+        else:
+            self._micro_step += 1
         return loss.detach()
 
     def _scale_tensor(self, device: torch.device) -> torch.Tensor | None:
@@ -560,6 +608,7 @@ class TrainStep(nn.Module):
         a backward the caller runs itself (a pipeline schedule,
         :mod:`mixprec.distributed.pipeline`); the loss itself without a manager and on the
         first step of an automatic scale. Then call :meth:`step_gradients`."""
+        self._norms.release()
         scale = self._scale_tensor(loss.device)
         return loss if scale is None else loss * scale
 
@@ -576,6 +625,7 @@ class TrainStep(nn.Module):
                 f"step_gradients() in the middle of gradient accumulation ({self._micro_step} "
                 f"of {self.config.accumulation_steps} micro-batches done by calls)"
             )
+        self._norms.release()
         if self.masters is not None:
             self.masters.collect_grads()
         self._step()
@@ -590,55 +640,73 @@ class TrainStep(nn.Module):
         self.network.zero_grad(set_to_none=True)
 
     def _step(self) -> None:
-        params = [
-            p
-            for group in self.optimizer.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        ]
-        grads = [p.grad for p in params]
+        optimizer = self.optimizer
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if grad is not None:
+                    params.append(p)
+                    grads.append(grad)
         manager = self.scaling
-        state = manager.device_state()
         check = manager.get_drop_overflow_update()
         device = grads[0].device if grads else self.found_inf.device
         ledger = self._ledger.snapshot()
+        agreement = self.agreement
+        interval = self.LIMIT_CHECK_INTERVAL
+        warming = self._warming_up
         done = False
+        applied: bool | None = True  # without a check, every step is applied
         try:
-            with torch.no_grad():
-                local = [local_shard(g) for g in grads]  # FSDP2: each rank checks its own shard
-            scale = self._scale_tensor(device)
+            local = grads
+            if not all(type(g) is torch.Tensor for g in grads):
+                with torch.no_grad():  # FSDP2: each rank checks its own shard
+                    local = [local_shard(g) for g in grads]
+            scale = None if warming else manager.scale_on(device)
             # one fused pass unscales and checks; with no scale it multiplies by exactly 1,
             # which on CPU is several times faster than an inf-norm reduction
-            inverse = torch.ones((), device=device) if scale is None else _inverse_scale(scale)
+            inverse = self._unit(device) if scale is None else _inverse_scale(scale)
             chosen = None
             # a policy's own per-part flags (a group's boundary) are each rank's even
             # under DDP: agreed whenever there are ranks (other policies send nothing)
-            replicas = self.agreement.replicas
-            agree = replicas.all_reduce_max if replicas.active else None
-            found = manager.unscale_step(params, local, inverse, agree)
-            if self._warming_up and state is not None and state.dynamic:
-                chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
-            found, chosen = self.agreement.agree(
-                found, chosen, manager, check, interval=self.LIMIT_CHECK_INTERVAL
+            replicas = agreement.replicas
+            found = manager.unscale_step(
+                params, local, inverse, replicas.all_reduce_max if replicas.active else None
             )
-            mark_unscaled(grads, found)
+            if warming:
+                state = manager.device_state()
+                if state is not None and state.dynamic:
+                    chosen = choose_initial_scale(local, self.config.dtype or torch.float16)
+            found, chosen = agreement.agree(found, chosen, manager, check, interval=interval)
             self.found_inf = found
-            for seam in self.seams:
-                seam.after_unscale(self, params)
+            inspecting = [seam for seam in self.seams if seam.inspects_gradients]
+            if inspecting:
+                mark_unscaled(grads, found)  # an unscale_ in a seam leaves them alone
+                for seam in inspecting:
+                    seam.after_unscale(self, params)
             on_device = self._decides_on_device(check, manager)
-            applied: bool | None = True  # without a check, every step is applied
             if check:
-                self._ledger.update(found)
-                applied = None if on_device else not self._ledger.read_now()[0]  # the one sync
-            interval = self.LIMIT_CHECK_INTERVAL
-            skipped = None if applied is None else not applied
-            self.agreement.check(manager, skipped=skipped, interval=interval)
+                if on_device:
+                    self._ledger.update(found)
+                    applied = None
+                else:
+                    applied = not self._ledger.record(found)[0]  # the one sync
+            agreement.check(
+                manager, skipped=None if applied is None else not applied, interval=interval
+            )
             if applied is not False:
-                norm = self._total_norm(grads)
-                if self.config.clip_grad_norm is not None:
-                    torch.nn.utils.clip_grads_with_norm_(params, self.config.clip_grad_norm, norm)
-                last = self._grad_norm.to(norm.device)
-                self._grad_norm = norm if applied else torch.where(found > 0, last, norm)
+                norms = self._norms
+                if norms.eager:
+                    norm = self._total_norm(grads)
+                    clip = self.config.clip_grad_norm
+                    if clip is not None:
+                        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+                    if applied is None:  # decided on the device: a skipped step keeps the last
+                        norm = torch.where(found > 0, norms.last(norm.device), norm)
+                    norms.set(norm)
+                else:  # computed if read before the next call
+                    norms.defer(grads, None if applied else found)
                 self._optimizer_step(found if on_device else None)
                 if self.masters is not None:
                     self.masters.refresh()
@@ -653,14 +721,37 @@ class TrainStep(nn.Module):
                 self._ledger.restore(ledger)
             if self.masters is not None:
                 self.masters.step_done()
-            self.optimizer.zero_grad(set_to_none=True)
+            self._clear_grads()
         if check:
             self._check_limits(known=applied is not None)
+
+    def _unit(self, device: torch.device) -> torch.Tensor:
+        """A 0-dim float32 1.0 on ``device``, made once (the inverse scale of an unscaled step)."""
+        unit = self._units.get(device)
+        if unit is None:
+            unit = self._units[device] = torch.ones((), device=device)
+        return unit
+
+    def _clear_grads(self) -> None:
+        """``optimizer.zero_grad(set_to_none=True)``; done here, without its profiler range,
+        unless the optimizer overrides it or a profiler records."""
+        optimizer = self.optimizer
+        if (
+            type(optimizer).zero_grad is not _ZERO_GRAD
+            or "zero_grad" in vars(optimizer)
+            or _profiling()
+        ):
+            optimizer.zero_grad(set_to_none=True)
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
 
     def _decides_on_device(self, check: bool, manager: LossScaleManager) -> bool:
         """Whether the skip is the fused optimizer's, on the device (no host read)."""
         return (
             check
+            and bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
             and manager.decides_on_device()
             and not any(seam.needs_host_decision for seam in self.seams)
             and _fused_skip_ready(self.optimizer)
@@ -699,7 +790,7 @@ class TrainStep(nn.Module):
                 f"training. After {self.MAX_CONSECUTIVE_OVERFLOWS} this becomes an error.",
                 RuntimeWarning,
             )
-        elif run < self.OVERFLOW_WARNING_AFTER:
+        elif run < self.OVERFLOW_WARNING_AFTER and self._warned:
             self._warned = False
 
     # ------------------------------------------------------------------ other ranks
@@ -731,6 +822,7 @@ class TrainStep(nn.Module):
 
     def _shadow_micro_batch(self) -> None:
         """A joined rank's share of the others' micro-batch (see :mod:`mixprec.distributed.join`)."""
+        self._norms.release()
         self._micro_step += 1
         if self._micro_step < self.config.accumulation_steps:
             return

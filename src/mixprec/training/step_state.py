@@ -1,25 +1,33 @@
 """The training step's bookkeeping: what happened (on the device), checkpoint checks, and
 the first loss scale of an fp16 step.
 
-:class:`StepLedger` keeps ``[overflow, skipped steps, consecutive overflows]`` in one small
-tensor on the gradients' device, updated without a host sync; one ``tolist()`` reads all
-three. The checks here run before a checkpoint writes anything.
+:class:`StepLedger` keeps ``[overflow, skipped steps, consecutive overflows]``: on the host
+when the step decides its skips there (it reads the overflow flag anyway), else in one small
+tensor on the gradients' device, updated without a host sync (one ``tolist()`` reads all
+three). The checks here run before a checkpoint writes anything.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec.training.grads import _version
 from mixprec.training.master import MasterWeights
 from mixprec.training.scaling import LossScaleManager
 
-__all__ = ["StepLedger", "check_checkpoint", "check_extra_state", "choose_initial_scale"]
+__all__ = [
+    "GradNorm",
+    "StepLedger",
+    "check_checkpoint",
+    "check_extra_state",
+    "choose_initial_scale",
+]
 
 #: the first fp16 scale puts the largest gradient near this value (float16's max is 65504:
 #: 2**6 of room for activation gradients larger than the parameters')
@@ -29,21 +37,54 @@ INITIAL_SCALE_CAP = 2.0**24
 
 
 class StepLedger:
-    """``[overflow, skipped_steps, consecutive_overflows]`` as a float32 tensor (exact to
-    2**24 steps) on the device, with a host copy once read."""
+    """``[overflow, skipped_steps, consecutive_overflows]``: on the host while the step
+    decides skips there (one read of the overflow flag per step, nothing else), on the device
+    (a float32 tensor, exact to 2**24 steps) while the skip is the device's."""
 
     def __init__(self) -> None:
-        self._values = torch.zeros(3)
+        #: the device copy; None while the host copy is the current one
+        self._values: torch.Tensor | None = None
+        #: the host copy; None while the device copy has steps the host has not read
         self._host: tuple[bool, int, int] | None = (False, 0, 0)
+        self._masks: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def update(self, found: torch.Tensor) -> None:
-        """Record one optimizer step whose overflow flag is ``found`` (1.0 or 0.0); no sync."""
-        old = self._values.to(found.device, non_blocking=True)
-        self._values = torch.stack([found, old[1] + found, (old[2] + 1) * found])
+        """Record one optimizer step whose overflow flag is ``found`` (a 0-dim float32
+        tensor, 1.0 or 0.0) on the device: two fused kernels, no sync."""
+        device = found.device
+        values = self._values
+        if values is None:
+            values = _on_device([float(v) for v in self.read()], device)
+        elif values.device != device:
+            values = values.to(device, non_blocking=True)
+        masks = self._masks.get(device)
+        if masks is None:
+            masks = self._masks[device] = (
+                _on_device([0.0, 1.0, 0.0], device),
+                _on_device([0.0, 0.0, 1.0], device),
+            )
+        kept = torch.addcmul(masks[0], masks[1], found)  # [0, 1, found]
+        # [found, skipped + found, (run + 1) * found]
+        self._values = torch.addcmul(found, values, kept)
         self._host = None
 
+    def record(self, found: torch.Tensor) -> tuple[bool, int, int]:
+        """Record one optimizer step whose skip is decided on the host: reads ``found``
+        (the one sync) and returns the ledger after it."""
+        if self._host is None:  # the device copy has steps of its own: add this one there
+            self.update(found)
+            return self.read_now()
+        overflow = found.item() > 0
+        _, skipped, run = self._host
+        self._host = (overflow, skipped + overflow, run + 1 if overflow else 0)
+        self._values = None
+        return self._host
+
     def read_now(self) -> tuple[bool, int, int]:
-        """Read the ledger on the host: the one sync."""
+        """Read the ledger on the host (a sync when the device copy is the current one)."""
+        if self._values is None:
+            assert self._host is not None
+            return self._host
         overflow, skipped, run = self._values.tolist()
         self._host = (overflow > 0, int(skipped), int(run))
         return self._host
@@ -52,18 +93,91 @@ class StepLedger:
         """The host copy, read from the device only when stale."""
         return self._host if self._host is not None else self.read_now()
 
-    def snapshot(self) -> tuple[torch.Tensor, tuple[bool, int, int] | None]:
+    def snapshot(self) -> tuple[torch.Tensor | None, tuple[bool, int, int] | None]:
         """The ledger as it is, to :meth:`restore` if the step fails (no sync)."""
         return self._values, self._host
 
-    def restore(self, snapshot: tuple[torch.Tensor, tuple[bool, int, int] | None]) -> None:
+    def restore(self, snapshot: tuple[torch.Tensor | None, tuple[bool, int, int] | None]) -> None:
         self._values, self._host = snapshot
 
     def load(self, overflow: bool, skipped: int, run: int) -> None:
-        self._values = torch.tensor(
-            [float(overflow), float(skipped), float(run)], device=self._values.device
-        )
+        self._values = None
         self._host = (overflow, skipped, run)
+
+
+def _on_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """``values`` as a float32 vector on ``device``, copied without waiting for the device
+    (a blocking copy from host memory is a sync)."""
+    return torch.tensor(values).to(device, non_blocking=True)
+
+
+class GradNorm:
+    """A step's ``grad_norm``: the L2 norm of the unscaled gradients of the last applied
+    optimizer step (before clipping), computed only when something needs it.
+
+    While :attr:`eager` (clipping needs the norm; under FSDP2 it takes a collective, which
+    every rank must run alike; an optimizer from outside ``torch.optim`` may write the
+    gradients in place; or the norm has been read before) every applied step computes it on
+    the device. Otherwise a step only keeps its gradients (and their version counters) until
+    the next call begins: a read before then computes the norm from them and makes the
+    record eager; a step whose gradients go unread leaves the norm unknown (NaN) until the
+    next step that computes one.
+
+    Args:
+        norm: the gradients' total norm, a 0-dim float32 tensor (no sync).
+        eager: compute at every applied step from the start.
+    """
+
+    def __init__(self, norm: Callable[[list[torch.Tensor]], torch.Tensor], *, eager: bool) -> None:
+        self._norm = norm
+        self.eager = eager
+        #: the last applied step's norm; None when its gradients went unread
+        self._value: torch.Tensor | None = torch.tensor(math.nan)
+        #: (gradients, their versions, the device's overflow flag or None, the norm before)
+        self._pending: (
+            tuple[list[torch.Tensor], list[int], torch.Tensor | None, torch.Tensor | None] | None
+        ) = None
+
+    def last(self, device: torch.device) -> torch.Tensor:
+        """The norm so far (NaN when unknown), on ``device``, for a step that may be skipped."""
+        return _known(self._value, device)
+
+    def set(self, norm: torch.Tensor) -> None:
+        """An applied step's norm, computed."""
+        self._value, self._pending = norm, None
+
+    def defer(self, grads: list[torch.Tensor], found: torch.Tensor | None) -> None:
+        """An applied step's gradients, whose norm is computed if read before the next call
+        (``found``: the overflow flag of a step the device decides; a skipped one keeps the
+        norm before it)."""
+        self._pending = (grads, [_version(g) for g in grads], found, self._value)
+
+    def release(self) -> None:
+        """The next call begins: the kept gradients go, unread (their norm is unknown)."""
+        if self._pending is not None:
+            self._pending = None
+            self._value = None
+
+    def read(self) -> torch.Tensor:
+        """The norm as a 0-dim tensor (no sync); from now on every applied step computes it."""
+        self.eager = True
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            grads, versions, found, before = pending
+            if [_version(g) for g in grads] != versions:  # written since: not that step's
+                self._value = None
+            else:
+                norm = self._norm(grads)
+                if found is not None:
+                    norm = torch.where(found > 0, _known(before, norm.device), norm)
+                self._value = norm
+        return torch.tensor(math.nan) if self._value is None else self._value
+
+
+def _known(norm: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``norm`` (NaN when None) on ``device``, moved without waiting for the device."""
+    value = torch.tensor(math.nan) if norm is None else norm
+    return value if value.device == device else value.to(device, non_blocking=True)
 
 
 def choose_initial_scale(grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
