@@ -212,7 +212,7 @@ def precast(converted: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[
 
     def ready(frame: Any, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         low = made.get(id(tensor), tensor)
-        frame.casts[id(tensor)] = (tensor, low, low._version)
+        frame.casts[id(tensor)] = (tensor, low, low._version, low.data_ptr())
         return low
 
     def call() -> torch.Tensor:

@@ -164,7 +164,18 @@ def test_checkpoint_resumes_bit_identically(dtype: str, tmp_path: Path) -> None:
     assert t2.lr_scheduler_configs[0].scheduler.get_last_lr() == [LR * 0.5 ** (2 * BATCHES - 2)]
 
 
-@pytest.mark.parametrize("level", ["O0", "O1", "O3", "autocast"])
+#: torch 2.11's backward of mse_loss(bfloat16 input, float32 target) fails (plain PyTorch
+#: too); the autocast level returns what it computed, so the Tiny loss meets it there
+_MIXED_MSE_BACKWARD = pytest.mark.xfail(
+    torch.torch_version.TorchVersion(torch.__version__) < (2, 12),
+    reason="torch 2.11: mse_loss backward with mixed dtypes",
+    strict=True,
+)
+
+
+@pytest.mark.parametrize(
+    "level", ["O0", "O1", "O3", pytest.param("autocast", marks=_MIXED_MSE_BACKWARD)]
+)
 def test_every_level(level: str, tmp_path: Path) -> None:
     model = Tiny()
     trainer(MixedPrecision(level, "bf16", emulate=True), tmp_path, max_steps=2).fit(model, data())
