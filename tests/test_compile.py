@@ -155,6 +155,30 @@ def test_a_compiled_conversion_reaches_each_module_by_one_path(level: str) -> No
     assert counts[0] == counts[1], counts
 
 
+def _guards(model: nn.Module, x: torch.Tensor) -> int:
+    """How many guards TorchDynamo installs for ``model(x)``."""
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return len(torch._dynamo.explain(model)(x).out_guards)
+
+
+@needs_compile
+@pytest.mark.parametrize(("level", "bound"), [("O2", 40), ("O3", 50)])
+def test_a_compiled_module_at_o2_adds_a_bounded_number_of_guards(level: str, bound: int) -> None:
+    """A converted module's compiled call reads one attribute of its forward (its key) and
+    takes its decisions as constants at trace time: each block (three modules, one Linear's
+    two weights) adds 35 (O2) and 46 (O3) guards beyond the original's own 50 (52 and 62
+    when each decision and key was read, and guarded, as an attribute)."""
+    x = torch.randn(2, 4)
+    original = [_guards(_blocks(n), x) for n in (2, 4)]
+    converted = [
+        _guards(amp.auto_mixed_precision(_blocks(n), level, torch.bfloat16), x) for n in (2, 4)
+    ]
+    per_block = (converted[1] - converted[0] - (original[1] - original[0])) / 2
+    assert per_block <= bound, (original, converted)
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_forward_set_after_compiling_runs_compiled(level: str) -> None:
     converted = amp.auto_mixed_precision(_blocks(2), level, torch.bfloat16)

@@ -43,7 +43,7 @@ import functools
 import inspect
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -59,7 +59,7 @@ from torch.nn.modules.module import (
 from torch.overrides import TorchFunctionMode
 
 from mixprec._warn import warn
-from mixprec.convert.structure import owner, register, takes_hook_path_compiled
+from mixprec.convert.structure import hooked_compiled, owner, register
 from mixprec.policy import lists
 from mixprec.policy.dtypes import _CAST_METHODS, _CASTABLE, dtype_name, is_castable, to_dtype
 from mixprec.policy.ops import cast_tree, only_plain_tensors, op_name
@@ -292,7 +292,9 @@ class _Spec(NamedTuple):
     root: bool
     cast: torch.dtype | None  # what floating arguments are cast to (None: as they come)
     output: torch.dtype | None  # what floating outputs are cast to
-    fused: frozenset[str]  # an island's kernel takes a low input on these device types
+    #: an island's kernel takes a low input on these device types (a tuple: a constant
+    #: TorchDynamo can test membership in, where a set would need a source to guard)
+    fused: tuple[str, ...]
     float32: bool  # an outer torch.autocast is off inside
     inner: bool  # the module had an instance forward of its own
     view: bool  # a recurrent layer: it runs on a per-call view (:meth:`ModuleCall._plain`)
@@ -304,20 +306,17 @@ class _Spec(NamedTuple):
     cls: str
 
 
-#: Every distinct spec, by number. Under ``torch.compile`` a call reads its module's one
-#: number and this table, a global TorchDynamo guards once for all modules of one class
-#: and decisions, so a converted module adds one guard for its decisions, not one per
-#: decision.
-_SPECS: list[_Spec] = []
-_SPEC_CODES: dict[_Spec, int] = {}
-
-
-def _spec_code(spec: _Spec) -> int:
-    code = _SPEC_CODES.get(spec)
-    if code is None:
-        code = _SPEC_CODES[spec] = len(_SPECS)
-        _SPECS.append(spec)
-    return code
+@torch.compiler.assume_constant_result
+def _compiled_facts(forward_key: str) -> tuple[str, bool, _Spec]:
+    """What a compiled call of the :class:`ModuleCall` registered as ``forward_key``
+    needs, answered while TorchDynamo traces: its module's key, whether it is still that
+    module's instance ``forward`` (see :func:`~mixprec.convert.structure.is_forward_of`)
+    and its decisions. None of them is guarded one by one: a ModuleCall's key is one
+    object's for good and its decisions are fixed when it is made, and TorchDynamo
+    already guards every called module's instance ``forward`` by identity (a forward set
+    later fails that guard, and the call is traced again)."""
+    call = owner(forward_key)
+    return call.key, owner(call.key).__dict__.get("forward") is call, call._spec()
 
 
 class LowParameters(dict[str, Any]):
@@ -637,13 +636,14 @@ def _compiled_call(
     """A :class:`ModuleCall` under ``torch.compile``: the casts inside the graph, no
     thread-local state and no mode (weights are cast at each read, inside the graph).
 
-    It reads nothing that reaches the module a second way (its module by
-    :func:`~mixprec.convert.structure.owner`, its decisions from ``_SPECS``): each such
-    path would add a guard checked in Python at every call."""
-    module = owner(call.key)
-    if not hooked and takes_hook_path_compiled(module, call):
+    It reads one attribute of ``call`` (its key: one guard) and reaches nothing a second
+    way: its module by :func:`~mixprec.convert.structure.owner`, its decisions by
+    :func:`_compiled_facts` (each second path, and each decision read as an attribute,
+    would add a guard checked at every call)."""
+    module_key, current, spec = _compiled_facts(call.forward_key)
+    module = owner(module_key)
+    if not hooked and (not current or hooked_compiled(module)):
         return nn.Module._call_impl(module, *args, **kwargs)
-    spec = _SPECS[call.code]
     if spec.root and spec.cast is not None:
         dtype = spec.cast
         args = tuple(_cast_top(v, dtype, {}) for v in args)
@@ -675,7 +675,7 @@ def _without_autocast(call: ModuleCall, args: tuple[Any, ...], kwargs: dict[str,
 
 
 def _takes_low(
-    args: tuple[Any, ...], kwargs: dict[str, Any], fused: frozenset[str], dtype: torch.dtype
+    args: tuple[Any, ...], kwargs: dict[str, Any], fused: Collection[str], dtype: torch.dtype
 ) -> bool:
     """Whether an island's kernel takes ``args`` as they are: one tensor of the low dtype
     on a device type in ``fused`` (strided, not nested), with no outer autocast."""
@@ -685,7 +685,7 @@ def _takes_low(
         return _is_low_on(args[0], fused, dtype) and not _outer_autocast()
 
 
-def _is_low_on(x: torch.Tensor, fused: frozenset[str], dtype: torch.dtype) -> bool:
+def _is_low_on(x: torch.Tensor, fused: Collection[str], dtype: torch.dtype) -> bool:
     """``x`` is a strided, non-nested tensor of ``dtype`` on a device type in ``fused``."""
     return (
         x.dtype is dtype
@@ -752,15 +752,13 @@ class ModuleCall:
         #: whether its floating buffers may meet low activations in its own code (a
         #: float32 island computes in float32; a norm's kernel takes float32 statistics)
         self.buffers_mix = not float32 and not isinstance(module, lists.FP32_STATE_MODULES)
-        #: the decisions a compiled call reads, as one number (see :func:`_compiled_call`)
-        self.code = _spec_code(self._spec())
 
     def _spec(self) -> _Spec:
         return _Spec(
             root=self.root,
             cast=self.input_dtype if self.root else self.dtype,
             output=self.output_dtype,
-            fused=self.fused,
+            fused=tuple(sorted(self.fused)),
             float32=self.float32,
             inner=self.inner is not None,
             view=self.special,
@@ -771,14 +769,13 @@ class ModuleCall:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["local"]  # a thread-local cannot be copied: the copy's state has its own
-        del state["code"], state["key"], state["forward_key"]  # (this process's tables)
+        del state["key"], state["forward_key"]  # (this process's table)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.key, self.forward_key = register(self.module), register(self)
         self.local = self.state._local
-        self.code = _spec_code(self._spec())
 
     @property
     def __signature__(self) -> inspect.Signature:

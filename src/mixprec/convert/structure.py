@@ -222,9 +222,15 @@ def takes_hook_path(module: nn.Module, forward: object) -> bool:
 
 def takes_hook_path_compiled(module: nn.Module, forward: Any) -> bool:
     """:func:`takes_hook_path` under ``torch.compile`` (no TorchScript trace there): the
-    hook dictionaries read as the module's attributes, which TorchDynamo guards as it
-    guards the original's (an empty one costs no guard), and the ``forward`` slot
-    answered by :func:`is_forward_of`."""
+    hooks as :func:`hooked_compiled` reads them, and the ``forward`` slot answered by
+    :func:`is_forward_of`."""
+    return hooked_compiled(module) or not is_forward_of(forward.key, forward.forward_key)
+
+
+def hooked_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks, or global module hooks are set, under
+    ``torch.compile``: the hook dictionaries read as the module's attributes, which
+    TorchDynamo guards as it guards the original's (an empty one costs no guard)."""
     return bool(
         module._forward_pre_hooks
         or module._forward_hooks
@@ -234,7 +240,6 @@ def takes_hook_path_compiled(module: nn.Module, forward: Any) -> bool:
         or module_hooks._global_forward_hooks
         or module_hooks._global_backward_pre_hooks
         or module_hooks._global_backward_hooks
-        or not is_forward_of(forward.key, forward.forward_key)
     )
 
 
