@@ -63,6 +63,7 @@ from mixprec._warn import warn
 from mixprec.convert import dispatch
 from mixprec.convert.plan import CastPlan, Conversion, PlanRow, RowKind
 from mixprec.convert.runtime import (
+    Facts,
     ForwardBase,
     RuntimeForward,
     RuntimeListMode,
@@ -182,11 +183,16 @@ class AutocastForward(ForwardBase):
         self.warned = False
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
-        module = owner(self.key) if _dynamo_compiling() else self.module  # (target, inline)
-        if not _mixprec_hooked and takes_hook_path(module, self):
+        facts: Facts | AutocastForward
+        if _dynamo_compiling():
+            module, facts, hook_path = self.compiled(_mixprec_hooked)
+        else:
+            module, facts = self.module, self
+            hook_path = not _mixprec_hooked and takes_hook_path(module, self)
+        if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
         inside = _INSIDE
-        if self.as_written or (self.may_get_nested and any_nested(args, kwargs)):
+        if facts.as_written or (facts.may_get_nested and any_nested(args, kwargs)):
             depth, inside.depth = inside.depth, 0  # children enter afresh
             device = call_device(module, self.probe, args, kwargs, self.device_type)
             try:
@@ -198,7 +204,7 @@ class AutocastForward(ForwardBase):
                     )
             finally:
                 inside.depth = depth
-        if inside.depth and not self.root:
+        if inside.depth and not facts.root:
             # inside the model: the autocast state the code around it set (the region's,
             # or the user's own torch.autocast, disabled or of another dtype, as under
             # torch.autocast)
@@ -208,7 +214,7 @@ class AutocastForward(ForwardBase):
                 else self.own(*args, **kwargs)
             )
         device = call_device(module, self.probe, args, kwargs, self.device_type)
-        if self.root and not self.warned and torch.is_autocast_enabled(device):
+        if facts.root and not self.warned and torch.is_autocast_enabled(device):
             self.warned = True
             warn_outer_autocast()
         inside.depth += 1  # an entry: the root, or a submodule called directly
@@ -251,8 +257,12 @@ class Fp32Forward(ForwardBase):
         self.probe = _first_parameter(module)
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
-        module = owner(self.key) if _dynamo_compiling() else self.module  # (target, inline)
-        if not _mixprec_hooked and takes_hook_path(module, self):
+        if _dynamo_compiling():
+            module, _, hook_path = self.compiled(_mixprec_hooked)
+        else:
+            module = self.module
+            hook_path = not _mixprec_hooked and takes_hook_path(module, self)
+        if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
         device = call_device(module, self.probe, args, kwargs, self.device_type)
         args, kwargs = _cast_floating((args, kwargs), torch.float32)
@@ -428,14 +438,17 @@ class ListedForward(InRegion):
         )
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
-        if _dynamo_compiling():  # (ForwardBase.target and the region, inline: the hot call)
-            module, region = owner(self.key), owner(self.region_key)
+        facts: Facts | ListedForward
+        if _dynamo_compiling():
+            module, facts, hook_path = self.compiled(_mixprec_hooked)
+            region = owner(facts.region_key)
         else:
-            module, region = self.module, self.region
-        if not _mixprec_hooked and takes_hook_path(module, self):
+            module, region, facts = self.module, self.region, self
+            hook_path = not _mixprec_hooked and takes_hook_path(module, self)
+        if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
         local = region.local
-        if self.as_written or (self.may_get_nested and any_nested(args, kwargs)):
+        if facts.as_written or (facts.may_get_nested and any_nested(args, kwargs)):
             depth, local.depth = local.depth, 0  # children enter afresh
             try:
                 with standing_aside():
@@ -448,7 +461,7 @@ class ListedForward(InRegion):
                 local.depth = depth
         if local.depth:  # inside the model: the region's mode is active
             if (
-                self.relu
+                facts.relu
                 and region.kernels
                 and len(args) == 1
                 and not kwargs
@@ -509,16 +522,19 @@ class WhiteForward(InRegion):
         self.direct = _direct_kind(module) if one_call else None
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
-        if _dynamo_compiling():  # (ForwardBase.target and the region, inline: the hot call)
-            module, region = owner(self.key), owner(self.region_key)
+        facts: Facts | WhiteForward
+        if _dynamo_compiling():
+            module, facts, hook_path = self.compiled(_mixprec_hooked)
+            region = owner(facts.region_key)
         else:
-            module, region = self.module, self.region
-        if not _mixprec_hooked and takes_hook_path(module, self):
+            module, region, facts = self.module, self.region, self
+            hook_path = not _mixprec_hooked and takes_hook_path(module, self)
+        if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
         local = region.local
         running = local.mode
         if local.depth and running is not None:  # inside the model
-            if self.direct is not None and len(args) == 1 and not kwargs:  # the hot path
+            if facts.direct is not None and len(args) == 1 and not kwargs:  # the hot path
                 out = self._direct(running, args[0])
                 if out is not NotImplemented:
                     if module._forward_hooks or _global_forward_hooks:

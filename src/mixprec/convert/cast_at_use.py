@@ -59,7 +59,13 @@ from torch.nn.modules.module import (
 from torch.overrides import TorchFunctionMode
 
 from mixprec._warn import warn
-from mixprec.convert.structure import hooked_compiled, owner, register
+from mixprec.convert.structure import (
+    compiled_facts,
+    hooked_compiled,
+    is_current,
+    owner,
+    register,
+)
 from mixprec.policy import lists
 from mixprec.policy.dtypes import _CAST_METHODS, _CASTABLE, dtype_name, is_castable, to_dtype
 from mixprec.policy.ops import cast_tree, only_plain_tensors, op_name
@@ -306,17 +312,13 @@ class _Spec(NamedTuple):
     cls: str
 
 
-@torch.compiler.assume_constant_result
-def _compiled_facts(forward_key: str) -> tuple[str, bool, _Spec]:
-    """What a compiled call of the :class:`ModuleCall` registered as ``forward_key``
-    needs, answered while TorchDynamo traces: its module's key, whether it is still that
-    module's instance ``forward`` (see :func:`~mixprec.convert.structure.is_forward_of`)
-    and its decisions. None of them is guarded one by one: a ModuleCall's key is one
-    object's for good and its decisions are fixed when it is made, and TorchDynamo
-    already guards every called module's instance ``forward`` by identity (a forward set
-    later fails that guard, and the call is traced again)."""
-    call = owner(forward_key)
-    return call.key, owner(call.key).__dict__.get("forward") is call, call._spec()
+class _Facts(NamedTuple):
+    """What a compiled call of a :class:`ModuleCall` reads of it, as constants (see
+    :func:`~mixprec.convert.structure.compiled_facts`)."""
+
+    key: str  # its module's
+    current: bool  # whether it is still the module's instance ``forward``
+    spec: _Spec
 
 
 class LowParameters(dict[str, Any]):
@@ -638,11 +640,11 @@ def _compiled_call(
 
     It reads one attribute of ``call`` (its key: one guard) and reaches nothing a second
     way: its module by :func:`~mixprec.convert.structure.owner`, its decisions by
-    :func:`_compiled_facts` (each second path, and each decision read as an attribute,
-    would add a guard checked at every call)."""
-    module_key, current, spec = _compiled_facts(call.forward_key)
-    module = owner(module_key)
-    if not hooked and (not current or hooked_compiled(module)):
+    :func:`~mixprec.convert.structure.compiled_facts` (each second path, and each decision
+    read as an attribute, would add a guard checked at every call)."""
+    facts = compiled_facts(call.forward_key)
+    module, spec = owner(facts.key), facts.spec
+    if not hooked and (not facts.current or hooked_compiled(module)):
         return nn.Module._call_impl(module, *args, **kwargs)
     if spec.root and spec.cast is not None:
         dtype = spec.cast
@@ -723,7 +725,7 @@ class ModuleCall:
     ) -> None:
         self.module = module
         self.key = register(module)  # (what a compiled call reads it by: see _compiled_call)
-        self.forward_key = register(self)  # (see structure.is_forward_of)
+        self.forward_key = register(self)  # (see structure.compiled_facts)
         self.state = state
         self.local = state._local
         self.root = root
@@ -765,6 +767,10 @@ class ModuleCall:
             low=self.state.dtype,
             cls=register(type(self.module)),
         )
+
+    def facts(self) -> _Facts:
+        """What a compiled call reads of it (see :func:`_compiled_call`)."""
+        return _Facts(self.key, is_current(self), self._spec())
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -19,7 +19,7 @@ import functools
 import inspect
 import types
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -27,7 +27,14 @@ from torch.compiler import is_dynamo_compiling as _dynamo_compiling
 from torch.overrides import TorchFunctionMode, get_overridable_functions
 
 from mixprec.convert import dispatch
-from mixprec.convert.structure import owner, register, takes_hook_path
+from mixprec.convert.structure import (
+    compiled_facts,
+    hooked_compiled,
+    is_current,
+    owner,
+    register,
+    takes_hook_path,
+)
 from mixprec.policy.dtypes import _CAST_METHODS, is_castable, to_dtype
 from mixprec.policy.levels import Level, Precision, Recipe
 from mixprec.policy.ops import (
@@ -340,12 +347,27 @@ class ShowsForward:
         return type(self).__call__.__code__
 
 
+class Facts(NamedTuple):
+    """What a compiled call of a :class:`ForwardBase` reads of it, as constants (see
+    :func:`~mixprec.convert.structure.compiled_facts`); the names are the forward's own
+    attributes, which an eager call reads instead."""
+
+    key: str  # the module's
+    current: bool  # whether the forward is still the module's instance ``forward``
+    region_key: str  # an O1 forward's region's ("": none)
+    root: bool
+    as_written: bool
+    may_get_nested: bool
+    relu: bool
+    direct: str | None
+
+
 class ForwardBase(ShowsForward):
     """A converted module's ``forward`` (set on the instance); it shows tools the
     signature and code object of the forward it runs (:class:`ShowsForward`)."""
 
     key: str  # the module's key (:func:`~mixprec.convert.structure.owner`)
-    forward_key: str  # its own (see :func:`~mixprec.convert.structure.is_forward_of`)
+    forward_key: str  # its own (see :func:`~mixprec.convert.structure.compiled_facts`)
     #: a ``forward`` the module held on its instance before conversion (a monkeypatch, an
     #: accelerate hook): it runs where the class's forward would
     own: Callable[..., Any] | None
@@ -368,10 +390,26 @@ class ForwardBase(ShowsForward):
         self.__dict__.update(state)
         self.key, self.forward_key = register(self.module), register(self)
 
-    def target(self) -> nn.Module:
-        """The module, read as a call of it must read it: under ``torch.compile`` by its
-        key (its own attribute would be a second path to it, guarded as an alias)."""
-        return owner(self.key) if _dynamo_compiling() else self.module
+    def facts(self) -> Facts:
+        """What a compiled call reads of it (:class:`Facts`)."""
+        return Facts(
+            key=self.key,
+            current=is_current(self),
+            region_key=getattr(self, "region_key", ""),
+            root=getattr(self, "root", False),
+            as_written=getattr(self, "as_written", False),
+            may_get_nested=getattr(self, "may_get_nested", False),
+            relu=getattr(self, "relu", False),
+            direct=getattr(self, "direct", None),
+        )
+
+    def compiled(self, hooked: bool) -> tuple[nn.Module, Facts, bool]:
+        """Under ``torch.compile``: the module (by its key: its own attribute would be a
+        second path to it, guarded as an alias), this forward's facts, and whether the
+        call must go through ``nn.Module._call_impl`` (hooks, or a forward set since)."""
+        facts = compiled_facts(self.forward_key)
+        module = owner(facts.key)
+        return module, facts, not hooked and (not facts.current or hooked_compiled(module))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The instance ``forward`` (what ``nn.Module._call_impl`` calls after the hooks,
@@ -417,8 +455,12 @@ class RuntimeForward(ForwardBase):
         self.table, self.default = decision_table(self.recipe, self.scopes, self.force)
 
     def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
-        module = self.target()
-        if not _mixprec_hooked and takes_hook_path(module, self):
+        if _dynamo_compiling():
+            module, _, hook_path = self.compiled(_mixprec_hooked)
+        else:
+            module = self.module
+            hook_path = not _mixprec_hooked and takes_hook_path(module, self)
+        if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
         if any_nested(args, kwargs):  # only a built-in fast path makes these: run as written
             with standing_aside():

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.compiler import is_dynamo_compiling as _dynamo_compiling
 from torch.nn.modules import module as module_hooks
 
 __all__ = [
@@ -184,27 +183,35 @@ def owner(key: str) -> Any:
 
 
 @torch.compiler.assume_constant_result
-def is_forward_of(module_key: str, forward_key: str) -> bool:
-    """Under ``torch.compile``: whether the converted forward registered under
-    ``forward_key`` is still the instance ``forward`` of the module registered under
-    ``module_key``, answered while TorchDynamo traces (from the keys: the arguments of a
-    function whose result is assumed constant must be constants).
+def compiled_facts(forward_key: str) -> Any:
+    """Under ``torch.compile``: what a call of the converted forward registered under
+    ``forward_key`` reads of itself (its ``facts()``, a named tuple of constants: its
+    module's key, whether it is still that module's instance ``forward``, its decisions),
+    answered while TorchDynamo traces, so that none of it is guarded one by one: the
+    traced code reads one attribute of the forward (its key: one guard).
 
-    Read in the traced code, the module's ``forward`` slot would be the converted
-    forward by a second path (see :func:`owner`). Answering at trace time needs no guard
-    of its own: TorchDynamo already guards every called module's instance ``forward`` by
-    identity, so a forward set later fails that guard and the call is traced again.
+    Each answer holds while the forward lives: a forward's key is its own for good and its
+    decisions are made with it. Whether it is still the module's ``forward`` needs no guard
+    of its own either: TorchDynamo already guards every called module's instance
+    ``forward`` by identity, so a forward set later fails that guard and the call is traced
+    again. (Read in the traced code, the module's ``forward`` slot would be the converted
+    forward by a second path: see :func:`owner`.)
     """
-    return owner(module_key).__dict__.get("forward") is owner(forward_key)
+    return owner(forward_key).facts()
+
+
+def is_current(forward: Any) -> bool:
+    """Whether ``forward`` (a converted forward) is still its module's instance
+    ``forward`` (see :func:`compiled_facts`)."""
+    return owner(forward.key).__dict__.get("forward") is forward
 
 
 def takes_hook_path(module: nn.Module, forward: object) -> bool:
     """Whether a call of ``module`` (converted, its ``forward`` the object ``forward``)
-    must go through ``nn.Module._call_impl``: hooks on it, global module hooks, a
-    TorchScript trace running, or a ``forward`` set on it since (which then runs).
-    Under ``torch.compile``, :func:`takes_hook_path_compiled`."""
-    if _dynamo_compiling():
-        return takes_hook_path_compiled(module, forward)
+    must go through ``nn.Module._call_impl``, outside ``torch.compile``: hooks on it,
+    global module hooks, a TorchScript trace running, or a ``forward`` set on it since
+    (which then runs). Under ``torch.compile``: :func:`hooked_compiled` and the
+    ``current`` of :func:`compiled_facts`."""
     slots = module.__dict__  # (read directly: a module's attribute lookup takes longer)
     return bool(
         slots["_forward_pre_hooks"]
@@ -218,13 +225,6 @@ def takes_hook_path(module: nn.Module, forward: object) -> bool:
         or slots.get("forward") is not forward
         or torch._C._get_tracing_state()
     )
-
-
-def takes_hook_path_compiled(module: nn.Module, forward: Any) -> bool:
-    """:func:`takes_hook_path` under ``torch.compile`` (no TorchScript trace there): the
-    hooks as :func:`hooked_compiled` reads them, and the ``forward`` slot answered by
-    :func:`is_forward_of`."""
-    return hooked_compiled(module) or not is_forward_of(forward.key, forward.forward_key)
 
 
 def hooked_compiled(module: nn.Module) -> bool:
