@@ -182,13 +182,15 @@ class AutocastForward(ForwardBase):
         self.may_get_nested = under_fast_path  # only a fast path makes nested tensors
         self.warned = False
 
-    def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
+    def call_impl(self, *args: Any, **kwargs: Any) -> Any:
+        # (through a keyword, not a default: TorchDynamo guards a default it reads)
+        hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
         facts: Facts | AutocastForward
         if _dynamo_compiling():
-            module, facts, hook_path = self.compiled(_mixprec_hooked)
+            module, facts, hook_path = self.compiled(hooked)
         else:
             module, facts = self.module, self
-            hook_path = not _mixprec_hooked and takes_hook_path(module, self)
+            hook_path = not hooked and takes_hook_path(module, self)
         if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
         inside = _INSIDE
@@ -256,12 +258,14 @@ class Fp32Forward(ForwardBase):
         self.device_type = device_type
         self.probe = _first_parameter(module)
 
-    def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
+    def call_impl(self, *args: Any, **kwargs: Any) -> Any:
+        # (through a keyword, not a default: TorchDynamo guards a default it reads)
+        hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
         if _dynamo_compiling():
-            module, _, hook_path = self.compiled(_mixprec_hooked)
+            module, _, hook_path = self.compiled(hooked)
         else:
             module = self.module
-            hook_path = not _mixprec_hooked and takes_hook_path(module, self)
+            hook_path = not hooked and takes_hook_path(module, self)
         if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
         device = call_device(module, self.probe, args, kwargs, self.device_type)
@@ -437,14 +441,16 @@ class ListedForward(InRegion):
             type(module).forward is nn.ReLU.forward and "relu" in region.names and self.own is None
         )
 
-    def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
+    def call_impl(self, *args: Any, **kwargs: Any) -> Any:
+        # (through a keyword, not a default: TorchDynamo guards a default it reads)
+        hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
         facts: Facts | ListedForward
         if _dynamo_compiling():
-            module, facts, hook_path = self.compiled(_mixprec_hooked)
+            module, facts, hook_path = self.compiled(hooked)
             region = owner(facts.region_key)
         else:
             module, region, facts = self.module, self.region, self
-            hook_path = not _mixprec_hooked and takes_hook_path(module, self)
+            hook_path = not hooked and takes_hook_path(module, self)
         if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
         local = region.local
@@ -521,14 +527,16 @@ class WhiteForward(InRegion):
         one_call = inner is None and not inputs_low and self.own is None
         self.direct = _direct_kind(module) if one_call else None
 
-    def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
+    def call_impl(self, *args: Any, **kwargs: Any) -> Any:
+        # (through a keyword, not a default: TorchDynamo guards a default it reads)
+        hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
         facts: Facts | WhiteForward
         if _dynamo_compiling():
-            module, facts, hook_path = self.compiled(_mixprec_hooked)
+            module, facts, hook_path = self.compiled(hooked)
             region = owner(facts.region_key)
         else:
             module, region, facts = self.module, self.region, self
-            hook_path = not _mixprec_hooked and takes_hook_path(module, self)
+            hook_path = not hooked and takes_hook_path(module, self)
         if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
         local = region.local

@@ -796,15 +796,17 @@ class ModuleCall:
         code = getattr(self.inner or type(self.module).forward, "__code__", None)
         return code if isinstance(code, types.CodeType) else type(self).__call__.__code__
 
-    def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
+    def call_impl(self, *args: Any, **kwargs: Any) -> Any:
         """The module's instance ``_call_impl`` (what ``nn.Module.__call__`` calls): with
         no hooks on the module (nor global module hooks, nor a TorchScript trace running)
         and this object still its ``forward``, it does the forward's work itself, one
         Python frame where ``nn.Module`` takes two; otherwise ``nn.Module._call_impl``
         runs the hooks around the module's ``forward``."""
+        # (through a keyword, not a default: TorchDynamo guards a default it reads)
+        hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
         if _dynamo_compiling() and not torch.compiler.is_exporting():
-            return _compiled_call(self, _mixprec_hooked, args, kwargs)  # (_tracing, inline)
-        if not _mixprec_hooked:
+            return _compiled_call(self, hooked, args, kwargs)  # (_tracing, inline)
+        if not hooked:
             slots = self.module.__dict__  # (structure.takes_hook_path, inline: the hot call)
             if (
                 slots["_forward_pre_hooks"]

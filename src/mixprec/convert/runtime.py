@@ -416,11 +416,13 @@ class ForwardBase(ShowsForward):
         and what ``module.forward(...)`` calls)."""
         return self.call_impl(*args, _mixprec_hooked=True, **kwargs)
 
-    def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
+    def call_impl(self, *args: Any, **kwargs: Any) -> Any:
         """The module's instance ``_call_impl`` (what ``nn.Module.__call__`` calls): with
         no hooks it does the forward's work itself, as many Python frames as the
         original's call; with hooks ``nn.Module._call_impl`` runs them around
-        :meth:`__call__`. Each converted forward's work is here."""
+        :meth:`__call__`, which passes ``_mixprec_hooked=True`` (a keyword, not a
+        parameter with a default: TorchDynamo guards a default it reads, once per module).
+        Each converted forward's work is here."""
         raise NotImplementedError
 
 
@@ -454,12 +456,14 @@ class RuntimeForward(ForwardBase):
         super().__setstate__(state)
         self.table, self.default = decision_table(self.recipe, self.scopes, self.force)
 
-    def call_impl(self, *args: Any, _mixprec_hooked: bool = False, **kwargs: Any) -> Any:
+    def call_impl(self, *args: Any, **kwargs: Any) -> Any:
+        # (through a keyword, not a default: TorchDynamo guards a default it reads)
+        hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
         if _dynamo_compiling():
-            module, _, hook_path = self.compiled(_mixprec_hooked)
+            module, _, hook_path = self.compiled(hooked)
         else:
             module = self.module
-            hook_path = not _mixprec_hooked and takes_hook_path(module, self)
+            hook_path = not hooked and takes_hook_path(module, self)
         if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
         if any_nested(args, kwargs):  # only a built-in fast path makes these: run as written
