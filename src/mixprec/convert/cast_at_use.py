@@ -223,8 +223,14 @@ class CastState:
         if frame.depth == 0:
             try:
                 with torch._C.DisableTorchFunction():
+                    listed = frame.listed
                     for cast in frame.casts.values():
-                        _flush(cast, frame.listed)  # (the forward wrote into a weight)
+                        stored, low, version, pointer = cast  # (_flush's test, inline)
+                        if low is not stored and (
+                            (pointer != -1 and low.data_ptr() != pointer)
+                            or (version != -1 and low._version != version)
+                        ):
+                            _flush(cast, listed)  # (the forward wrote into a weight)
             finally:
                 frame.casts.clear()
                 frame.listed.clear()
@@ -250,15 +256,18 @@ class CastState:
 
 #: Tensor types whose calls run no ``__torch_function__`` of their own.
 _NO_TORCH_FUNCTION = frozenset((nn.Parameter, torch.Tensor))
+#: how many torch-function modes are on (bound once: the weight-cast path's one check)
+_function_modes = torch._C._len_torch_function_stack
 
 
 def _cast_for(frame: _Frame, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast ``tensor`` to ``dtype`` for the running call ``frame`` and remember the cast
     (and its version, to find a write the forward makes into it)."""
     low = tensor
-    if tensor.dtype is not dtype and tensor.dtype in _CASTABLE:
+    have = tensor.dtype
+    if have is not dtype and have in _CASTABLE:
         cast = _CAST_METHODS[dtype]  # (a low dtype: its method, with no to_dtype call)
-        if torch._C._len_torch_function_stack() or type(tensor) not in _NO_TORCH_FUNCTION:
+        if _function_modes() or type(tensor) not in _NO_TORCH_FUNCTION:
             # mixprec's own bookkeeping is not the model's code: no mode need see it
             with torch._C.DisableTorchFunction():
                 low = cast(tensor)
@@ -365,8 +374,8 @@ class LowParameters(dict[str, Any]):
                 return hit[1]
             if not torch.is_grad_enabled():  # (a no-grad cast, and no grad wanted now)
                 return hit[1]
-            return _recast(frame, value, hit, self.state.dtype)
-        return _cast_for(frame, value, self.state.dtype)
+            return _recast(frame, value, hit, self.dtype)
+        return _cast_for(frame, value, self.dtype)
 
     def items(self) -> Any:
         if _tracing() or self.state.frame() is None:
