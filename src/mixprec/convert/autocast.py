@@ -186,7 +186,7 @@ class AutocastForward(ForwardBase):
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
         facts: Facts | AutocastForward
-        if _dynamo_compiling():
+        if _dynamo_compiling():  # (ForwardBase.entry, inline: the hot call)
             module, facts, hook_path = self.compiled(hooked)
         else:
             module, facts = self.module, self
@@ -261,11 +261,7 @@ class Fp32Forward(ForwardBase):
     def call_impl(self, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
-        if _dynamo_compiling():
-            module, _, hook_path = self.compiled(hooked)
-        else:
-            module = self.module
-            hook_path = not hooked and takes_hook_path(module, self)
+        module, _, hook_path = self.entry(hooked)
         if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
         device = call_device(module, self.probe, args, kwargs, self.device_type)
@@ -445,7 +441,7 @@ class ListedForward(InRegion):
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
         facts: Facts | ListedForward
-        if _dynamo_compiling():
+        if _dynamo_compiling():  # (ForwardBase.entry, inline: the hot call)
             module, facts, hook_path = self.compiled(hooked)
             region = owner(facts.region_key)
         else:
@@ -531,7 +527,7 @@ class WhiteForward(InRegion):
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
         facts: Facts | WhiteForward
-        if _dynamo_compiling():
+        if _dynamo_compiling():  # (ForwardBase.entry, inline: the hot call)
             module, facts, hook_path = self.compiled(hooked)
             region = owner(facts.region_key)
         else:

@@ -403,6 +403,16 @@ class ForwardBase(ShowsForward):
             direct=getattr(self, "direct", None),
         )
 
+    def entry(self, hooked: bool) -> tuple[nn.Module, Facts | ForwardBase, bool]:
+        """A call's start: the module, what the call reads of this forward (its
+        :class:`Facts` under ``torch.compile``, else the forward itself), and whether the
+        call must go through ``nn.Module._call_impl`` (hooks, or a forward set since). The
+        hot forwards (O1's, the autocast level's) make these steps inline."""
+        if _dynamo_compiling():
+            return self.compiled(hooked)
+        module = self.module
+        return module, self, not hooked and takes_hook_path(module, self)
+
     def compiled(self, hooked: bool) -> tuple[nn.Module, Facts, bool]:
         """Under ``torch.compile``: the module (by its key: its own attribute would be a
         second path to it, guarded as an alias), this forward's facts, and whether the
@@ -459,11 +469,7 @@ class RuntimeForward(ForwardBase):
     def call_impl(self, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
-        if _dynamo_compiling():
-            module, _, hook_path = self.compiled(hooked)
-        else:
-            module = self.module
-            hook_path = not hooked and takes_hook_path(module, self)
+        module, _, hook_path = self.entry(hooked)
         if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
         if any_nested(args, kwargs):  # only a built-in fast path makes these: run as written
