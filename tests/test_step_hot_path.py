@@ -101,6 +101,23 @@ def test_a_norm_whose_gradients_went_unread_is_nan_until_the_next_step() -> None
     assert step.grad_norm == twin.grad_norm > 0
 
 
+def test_metrics_asked_for_before_the_next_call_give_a_norm_after_it() -> None:
+    """A loop that logs without waiting asks for ``metrics()`` after a step and looks the
+    values up later, after more calls have begun (here the next step's first micro-batch):
+    the norm is known then (the last step's, computed when asked for), never NaN."""
+    step = _step(OPTIMIZERS["sgd"], level="O2", dtype="bf16", accumulation_steps=2)
+    twin = _step(OPTIMIZERS["sgd"], level="O2", dtype="bf16", accumulation_steps=2)
+    (x, y), (x2, y2), (x3, y3) = _batches(3)
+    step(x, y)
+    step(x2, y2)  # the first applied step
+    twin(x, y)
+    twin(x2, y2)
+    expected = twin.grad_norm
+    metrics = step.metrics()
+    step(x3, y3)  # the next step's first micro-batch: the last step's gradients go
+    assert metrics["grad_norm"] == expected > 0
+
+
 def test_an_unread_norm_before_a_skip_is_nan() -> None:
     step = _step(OPTIMIZERS["sgd"], level="O0")
     (x, y), (bad, y2) = _batches(2, poison={1})

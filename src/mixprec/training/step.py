@@ -538,7 +538,11 @@ class TrainStep(nn.Module):
 
     def metrics(self) -> StepMetrics:
         """What a training loop logs, as a read-only mapping read lazily: nothing waits for
-        the device until a value is read (see :class:`StepMetrics`)."""
+        the device until a value is read (see :class:`StepMetrics`). Asking for it makes
+        the gradient norm known: the last step's is computed now, on the device, and every
+        applied step's from now on (so a lookup made after the next call has begun, as a
+        loop that logs without waiting makes, finds a norm)."""
+        self._norms.read()  # (a 0-dim tensor on the device: no wait)
         return StepMetrics(self)
 
     def _total_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
