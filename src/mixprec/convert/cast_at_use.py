@@ -343,10 +343,9 @@ class LowParameters(dict[str, Any]):
         super().__init__(table)
         self.kept = kept  # names that stay as stored (an old weight hook's originals)
         self.state = state
-        #: (read under ``torch.compile`` instead of ``state.dtype``: the state, one object
-        #: every module's table holds, would be guarded as an alias pair per table)
         self.dtype = state.dtype
         self.local = state._local
+        self.key = register(self)  # (what a compiled read reads it by: see facts)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"kept": self.kept, "state": self.state}  # (a thread-local is not copied)
@@ -355,16 +354,31 @@ class LowParameters(dict[str, Any]):
         self.__dict__.update(state)
         self.dtype = self.state.dtype
         self.local = self.state._local
+        self.key = register(self)
+
+    def facts(self) -> tuple[tuple[str, ...], torch.dtype]:
+        """What a compiled read takes as constants
+        (:func:`~mixprec.convert.structure.compiled_facts`): the kept names and the low
+        dtype, both fixed when the table is made (read as attributes, each would be
+        guarded, per table)."""
+        return tuple(sorted(self.kept)), self.dtype
 
     def __getitem__(self, name: str) -> Any:
         value = dict.__getitem__(self, name)
-        if value is None or name in self.kept:
+        if value is None:
             return value
         if _dynamo_compiling():  # (non-strict export: the eager path)
             if torch.compiler.is_exporting():
                 frame = self.state.frame()
-                return value if frame is None else self.state.low(value, frame)
-            return to_dtype(value, self.dtype) if is_castable(value) else value
+                if name in self.kept or frame is None:
+                    return value
+                return self.state.low(value, frame)
+            kept, dtype = compiled_facts(self.key)
+            if name in kept or not is_castable(value):
+                return value
+            return to_dtype(value, dtype)
+        if name in self.kept:
+            return value
         frame = self.local.frame
         if not frame.depth:
             return value
