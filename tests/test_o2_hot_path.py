@@ -8,6 +8,7 @@ casts its floating tensor arguments, never tensors inside containers (targets).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -467,3 +468,162 @@ def test_an_island_called_with_one_tensor_walks_no_tree(
     # the caller's (low) tensor took the island's in-place write, rounded to its dtype
     assert seen[0].dtype == dtype
     torch.testing.assert_close(seen[0].float(), h32.to(dtype).float())
+
+
+def _one_call_layers() -> list[nn.Module]:
+    return [
+        nn.Linear(4, 4),
+        nn.Linear(4, 4, bias=False),
+        nn.Conv1d(4, 4, 3, padding=1),
+        nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect", bias=False),
+        nn.Conv3d(4, 4, 1),
+    ]
+
+
+def _sample(layer: nn.Module) -> torch.Tensor:
+    dims = {nn.Linear: (3, 4), nn.Conv1d: (2, 4, 5), nn.Conv2d: (2, 4, 5, 5)}
+    return torch.randn(dims.get(type(layer), (1, 4, 2, 3, 3)))
+
+
+def _forward_calls(cls: type, run: Any) -> int:
+    """How many times ``cls.forward``'s code runs in ``run()`` (a Python frame each)."""
+    import sys
+
+    code = cls.forward.__code__
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code is code:
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("nested", [False, True], ids=["root-child", "nested"])
+def test_a_one_call_layer_runs_its_forwards_call_without_its_frame(
+    level: str, index: int, nested: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Linear or Conv called by its parent computes its class forward's one call on its
+    weights cast once, with no frame for the forward: the same output and gradients, bit
+    for bit, as running the class forward."""
+    from mixprec.convert.cast_at_use import ModuleCall
+
+    torch.manual_seed(index)
+    layer = _one_call_layers()[index]
+    model = nn.Sequential(nn.Sequential(layer) if nested else layer, nn.Tanh())
+    low = copy.deepcopy(layer).bfloat16()
+    x = _sample(layer)
+
+    def run(converted: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        converted.zero_grad()
+        out = converted(x)
+        out.float().sum().backward()
+        return out, [p.grad for p in converted.parameters()]
+
+    converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+    assert _forward_calls(type(layer), lambda: run(converted)) == 0
+    out, grads = run(converted)
+    monkeypatch.setattr(ModuleCall, "_direct", lambda self, frame, x: NotImplemented)
+    assert _forward_calls(type(layer), lambda: run(converted)) == 1
+    expected, expected_grads = run(converted)
+    assert out.dtype == expected.dtype
+    assert torch.equal(out, expected)
+    for grad, want in zip(grads, expected_grads, strict=True):
+        assert grad.dtype == torch.float32
+        assert torch.equal(grad, want)
+    with torch.no_grad():  # and it is the layer's computation in bfloat16
+        want = torch.tanh(low(x.bfloat16()).float())
+    torch.testing.assert_close(out.float(), want, rtol=0.02, atol=0.02)
+
+
+class _OwnLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2.0
+
+
+def _tied() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)))
+    model[1][0].weight = model[0].weight
+    return model
+
+
+def _parametrized() -> nn.Module:
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w * 2.0
+
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 4))
+    parametrize.register_parametrization(model[0][0], "weight", Doubled())
+    return model
+
+
+CHANGES = {
+    # (the model, a change made after conversion, what the change computes as)
+    "tied": (_tied, None),
+    "parametrized": (_parametrized, None),
+    "subclass": (lambda: nn.Sequential(nn.Sequential(_OwnLinear(4, 4))), None),
+    "class-forward-patched": (
+        lambda: nn.Sequential(nn.Sequential(nn.Linear(4, 4))),
+        lambda model, mp: mp.setattr(nn.Linear, "forward", lambda self, x: x @ self.weight * 3.0),
+    ),
+    "weight-replaced": (
+        lambda: nn.Sequential(nn.Sequential(nn.Linear(4, 4))),
+        lambda model, mp: setattr(model[0][0], "weight", nn.Parameter(torch.ones(4, 4))),
+    ),
+    "bias-removed": (
+        lambda: nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4))),
+        lambda model, mp: setattr(model[1][0], "bias", None),
+    ),
+}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("case", list(CHANGES))
+def test_a_one_call_layer_whose_forward_decides_computes_as_its_forward(
+    level: str, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the layer's own code decides (tied weights, a parametrization, a subclass, the
+    class's forward patched, a weight replaced or a bias removed after conversion), the
+    converted model computes what its own forward computes: the output and gradients with
+    the one-call path taken where it may equal those with it never taken, and the original
+    model's (in float32) within bfloat16's rounding."""
+    from mixprec.convert.cast_at_use import ModuleCall
+    from mixprec.inspect import CastCounter
+
+    make, change = CHANGES[case]
+    torch.manual_seed(0)
+    model = make()
+    original = copy.deepcopy(model)
+    converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+    if change is not None:
+        change(converted, monkeypatch)
+        change(original, monkeypatch)
+    x = torch.randn(3, 4)
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor | None], int]:
+        converted.zero_grad()
+        with CastCounter() as counter:
+            out = converted(x)
+        out.float().sum().backward()
+        return out, [p.grad for p in converted.parameters()], counter.total
+
+    out, grads, casts = run()
+    monkeypatch.setattr(ModuleCall, "_direct", lambda self, frame, x: NotImplemented)
+    expected, expected_grads, expected_casts = run()
+    assert torch.equal(out, expected)
+    assert casts == expected_casts
+    for grad, want in zip(grads, expected_grads, strict=True):
+        assert (grad is None) == (want is None)
+        if grad is not None:
+            assert torch.equal(grad, want)
+    torch.testing.assert_close(out.float(), original(x), rtol=0.05, atol=0.05)

@@ -47,6 +47,7 @@ from collections.abc import Callable, Collection, Iterator
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.compiler import is_dynamo_compiling as _dynamo_compiling
@@ -416,6 +417,9 @@ class LowParameters(dict[str, Any]):
                 yield name, value
 
 
+#: Layers whose forward is one call of their weights (see :meth:`ModuleCall._direct`).
+_ONE_CALL = frozenset((nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+
 #: Tensor types an island takes on its fast path (plain tensors: no rules of their own).
 _TENSOR_TYPES = frozenset((torch.Tensor, nn.Parameter))
 
@@ -777,6 +781,14 @@ class ModuleCall:
         #: whether its floating buffers may meet low activations in its own code (a
         #: float32 island computes in float32; a norm's kernel takes float32 statistics)
         self.buffers_mix = not float32 and not isinstance(module, lists.FP32_STATE_MODULES)
+        #: an ``nn.Linear`` or ``nn.Conv1d/2d/3d`` running its class's forward (one call,
+        #: which :meth:`_direct` makes): ``(class, its forward)``, checked at each call
+        cls = type(module)
+        self.direct = (
+            (cls, cls.forward)
+            if cls in _ONE_CALL and self.inner is None and dtype is not None and not float32
+            else None
+        )
 
     def _spec(self) -> _Spec:
         return _Spec(
@@ -873,7 +885,14 @@ class ModuleCall:
                 else:
                     moded = frame.active  # (the mode set aside for its own code)
                 if moded:
-                    out = self._moded(frame, not frame.active, args, kwargs)
+                    out = self._moded(frame, not frame.active, args, kwargs, self._code)
+                elif (
+                    self.direct is not None
+                    and len(args) == 1
+                    and not kwargs
+                    and (out := self._direct(frame, args[0])) is not NotImplemented
+                ):
+                    pass  # (:meth:`_code`, inline: the hot call)
                 elif self.inner is not None:
                     out = self.inner(*args, **kwargs)
                 else:
@@ -882,6 +901,54 @@ class ModuleCall:
                     written_back(pairs)
                 return out
         return self._enter(args, kwargs)
+
+    def _code(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The module's own code inside a running call: a one-call layer's call
+        (:meth:`_direct`) where it applies, else its forward (:meth:`_plain`)."""
+        if self.direct is not None and len(args) == 1 and not kwargs:
+            out = self._direct(self.local.frame, args[0])
+            if out is not NotImplemented:
+                return out
+        return self._plain(args, kwargs)
+
+    def _direct(self, frame: _Frame, x: Any) -> Any:
+        """A one-call layer's forward (``F.linear``, ``_conv_forward``) inside a running
+        call, its weight and bias read as its own ``self.weight`` and ``self.bias`` would
+        read them (cast once per call), with no frame for the forward and none for each
+        read: the same casts, the same call, the same result. NotImplemented where its
+        forward decides (its class or the class's ``forward`` changed since conversion, a
+        weight not in its ``_parameters``: a parametrization; names kept as stored, a
+        tensor subclass, a weight this call has read already)."""
+        module = self.module
+        cls, forward = self.direct  # type: ignore[misc]
+        params = module.__dict__["_parameters"]
+        if (
+            type(module) is not cls
+            or cls.forward is not forward
+            or type(params) is not LowParameters
+            or params.kept
+            or params.state is not self.state
+            or "weight" not in params
+            or "bias" not in params
+            or type(x) is not torch.Tensor
+        ):
+            return NotImplemented
+        weight = dict.__getitem__(params, "weight")
+        bias = dict.__getitem__(params, "bias")
+        casts = frame.casts
+        if (
+            type(weight) is not nn.Parameter
+            or id(weight) in casts
+            or (bias is not None and (type(bias) is not nn.Parameter or id(bias) in casts))
+        ):
+            return NotImplemented  # (LowParameters.__getitem__ decides: a tied weight)
+        dtype = self.state.dtype
+        weight = _cast_for(frame, weight, dtype)
+        if bias is not None:
+            bias = _cast_for(frame, bias, dtype)
+        if cls is nn.Linear:
+            return F.linear(x, weight, bias)
+        return module._conv_forward(x, weight, bias)  # type: ignore[operator]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The instance ``forward`` (what ``nn.Module._call_impl`` calls after the hooks,
