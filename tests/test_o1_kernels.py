@@ -322,3 +322,47 @@ def test_a_key_another_library_uses_leaves_o1_to_the_mode(monkeypatch: pytest.Mo
         out = converted(x)
     assert computes.seen == {"addmm": [BF16, BF16]}
     assert torch.equal(out, expected)
+
+
+def test_a_mode_of_the_users_sees_each_listed_call_once() -> None:
+    """A kernel computes its op by the op's Python binding (a faster call than the
+    operator's own), never seen by a torch-function mode of the user's: the mode sees the
+    calls the model makes, as on the original, and the results are the same with it on."""
+    from torch.overrides import TorchFunctionMode
+
+    class Records(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = getattr(func, "__name__", "")
+            if name in ("linear", "addmm", "matmul", "bmm", "mm"):
+                self.names.append(name)
+            return func(*args, **(kwargs or {}))
+
+    class Calls(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.addmm(self.fc.bias, self.fc(x), self.w)
+            return torch.matmul(y, self.w) + F.linear(y, self.w)
+
+    torch.manual_seed(0)
+    model = Calls()
+    x = torch.randn(2, 4)
+    with Records() as original:
+        model(x)
+    converted = amp.auto_mixed_precision(model, "O1", "bf16")
+    assert _region(converted).kernels
+    plain = converted(x)
+    with Records() as seen:
+        out = converted(x)
+    assert seen.names == original.names == ["linear", "addmm", "matmul", "linear"]
+    assert torch.equal(out, plain)
+    with Computes("addmm", "mm", "matmul") as computes:
+        converted(x)
+    assert set(computes.seen["addmm"]) == {BF16}

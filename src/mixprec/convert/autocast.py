@@ -57,10 +57,17 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.compiler import is_dynamo_compiling as _dynamo_compiling
-from torch.nn.modules.module import _global_forward_hooks
+from torch.nn.modules.module import (
+    _global_backward_hooks,
+    _global_backward_pre_hooks,
+    _global_forward_hooks,
+    _global_forward_pre_hooks,
+)
 
 from mixprec._warn import warn
 from mixprec.convert import dispatch
+from mixprec.convert.dispatch import is_excluded as _is_excluded
+from mixprec.convert.dispatch import set_excluded as _set_excluded
 from mixprec.convert.plan import CastPlan, Conversion, PlanRow, RowKind
 from mixprec.convert.runtime import (
     Facts,
@@ -297,6 +304,7 @@ class Region:
         self.names = frozenset(op for op in recipe.low_ops if isinstance(op, str))
         self.kernels = dispatch.supports(self.names)
         self.keyset = dispatch.keyset()  # (what a call that makes its own casts excludes)
+        self.listed_key = dispatch.key()  # (the same, as the one key it holds)
         self.key = register(self)  # (what a compiled call reads it by: see InRegion)
         self.warned = False  # (of an outer torch.autocast)
 
@@ -444,11 +452,24 @@ class ListedForward(InRegion):
         if _dynamo_compiling():  # (ForwardBase.entry, inline: the hot call)
             module, facts, hook_path = self.compiled(hooked)
             region = owner(facts.region_key)
+            if hook_path:
+                return nn.Module._call_impl(module, *args, **kwargs)
         else:
             module, region, facts = self.module, self.region, self
-            hook_path = not hooked and takes_hook_path(module, self)
-        if hook_path:
-            return nn.Module._call_impl(module, *args, **kwargs)
+            slots = module.__dict__  # (takes_hook_path, inline: the hot call)
+            if not hooked and (
+                slots["_forward_pre_hooks"]
+                or slots["_forward_hooks"]
+                or slots["_backward_pre_hooks"]
+                or slots["_backward_hooks"]
+                or _global_forward_pre_hooks
+                or _global_forward_hooks
+                or _global_backward_pre_hooks
+                or _global_backward_hooks
+                or slots.get("forward") is not self
+                or torch._C._get_tracing_state()
+            ):
+                return nn.Module._call_impl(module, *args, **kwargs)
         local = region.local
         if facts.as_written or (facts.may_get_nested and any_nested(args, kwargs)):
             depth, local.depth = local.depth, 0  # children enter afresh
@@ -469,7 +490,7 @@ class ListedForward(InRegion):
                 and not kwargs
                 and not module.inplace
             ):
-                out = _direct_relu(local.mode, args[0], region.keyset)
+                out = _direct_relu(local.mode, args[0], region.listed_key)
                 if out is not NotImplemented:
                     return out
             return (
@@ -532,18 +553,40 @@ class WhiteForward(InRegion):
             region = owner(facts.region_key)
         else:
             module, region, facts = self.module, self.region, self
-            hook_path = not hooked and takes_hook_path(module, self)
+            if not hooked:
+                slots = module.__dict__  # (takes_hook_path, inline: the hot call)
+                if (
+                    slots["_forward_pre_hooks"]
+                    or slots["_forward_hooks"]
+                    or slots["_backward_pre_hooks"]
+                    or slots["_backward_hooks"]
+                    or _global_forward_pre_hooks
+                    or _global_forward_hooks
+                    or _global_backward_pre_hooks
+                    or _global_backward_hooks
+                    or slots.get("forward") is not self
+                    or torch._C._get_tracing_state()
+                ):
+                    return nn.Module._call_impl(module, *args, **kwargs)
+                local = region.local
+                running = local.mode
+                if (
+                    local.depth
+                    and running is not None
+                    and self.direct is not None
+                    and len(args) == 1
+                    and not kwargs
+                    and region.kernels
+                    and not _compiler._is_compiling_flag
+                    and (out := self._direct(running, args[0])) is not NotImplemented
+                ):  # the hot path: inside the model, no hooks
+                    return running.cast_back_eager(out)
+            hook_path = False
         if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
         local = region.local
         running = local.mode
         if local.depth and running is not None:  # inside the model
-            if facts.direct is not None and len(args) == 1 and not kwargs:  # the hot path
-                out = self._direct(running, args[0])
-                if out is not NotImplemented:
-                    if module._forward_hooks or _global_forward_hooks:
-                        return out  # CastBackLast casts it back after the hooks
-                    return running.cast_back_eager(out)
             return self._finish(module, running, self._run(module, region, running, args, kwargs))
         mode = region.mode()
         local.depth, local.mode = 1, mode
@@ -582,7 +625,13 @@ class WhiteForward(InRegion):
                 if self.own is None
                 else self.own(*args, **kwargs)
             )
-        if self.direct is not None and not kwargs and len(args) == 1:
+        if (
+            self.direct is not None
+            and not kwargs
+            and len(args) == 1
+            and self.region.kernels
+            and not (_dynamo_compiling() or _compiler._is_compiling_flag)
+        ):
             out = self._direct(mode, args[0])
             if out is not NotImplemented:
                 return out
@@ -600,9 +649,8 @@ class WhiteForward(InRegion):
         """The layer's one call (``F.linear``, a convolution), its operands cast down
         here as its operator's kernel would cast them, with no kernel: the same casts, the
         same result (low), one Python call fewer. NotImplemented where the kernel decides
-        (under ``torch.compile``, a tensor subclass, a padding mode of its own)."""
-        if _dynamo_compiling() or _compiler._is_compiling_flag or not self.region.kernels:
-            return NotImplemented  # (is_compiling(), one Python call where it makes two)
+        (a tensor subclass, a padding mode of its own). Eager, with the list's kernels
+        only: the callers check."""
         module: Any = self.module
         # read directly: ``module.weight`` takes a Python call (``.get``'s default would
         # make that call every time)
@@ -619,13 +667,20 @@ class WhiteForward(InRegion):
         if direct == "conv" and module.padding_mode != "zeros":
             return NotImplemented
         down = mode.down
-        with torch._C._ExcludeDispatchKeyGuard(self.region.keyset):
+        key = self.region.listed_key
+        aside = _is_excluded(key)  # (a child's own casts around it: already excluded)
+        if not aside:
+            _set_excluded(key, True)
+        try:
             x, weight = down(x), down(weight)
             if bias is not None:
                 bias = down(bias)
             if direct == "linear":
                 return F.linear(x, weight, bias)
             return module._conv_forward(x, weight, bias)
+        finally:
+            if not aside:
+                _set_excluded(key, False)
 
 
 class CastBackLast(collections.OrderedDict):
@@ -665,7 +720,7 @@ _ONE_CALL_LAYERS: tuple[tuple[type[nn.Module], Callable[..., Any]], ...] = (
 )
 
 
-def _direct_relu(mode: RuntimeListMode | None, x: Any, keyset: Any) -> Any:
+def _direct_relu(mode: RuntimeListMode | None, x: Any, key: Any) -> Any:
     """``nn.ReLU``'s one call as its kernel makes it (input cast down once per call, result
     cast back), with no kernel; NotImplemented where the kernel decides."""
     if (
@@ -678,11 +733,17 @@ def _direct_relu(mode: RuntimeListMode | None, x: Any, keyset: Any) -> Any:
         )
     ):
         return NotImplemented
-    with torch._C._ExcludeDispatchKeyGuard(keyset):
+    aside = _is_excluded(key)  # (as in WhiteForward._direct)
+    if not aside:
+        _set_excluded(key, True)
+    try:
         out = torch.relu(mode.down(x))
         if not mode.back:
             return out
         return mode.cast_back_eager(out) if type(out) is torch.Tensor else mode.cast_back(out)
+    finally:
+        if not aside:
+            _set_excluded(key, False)
 
 
 def _direct_kind(module: nn.Module) -> str | None:
