@@ -488,11 +488,13 @@ def test_plan_table_and_dict() -> None:
     assert {"path", "op", "dtype", "casts_before", "casts_after", "note"} <= set(data["rows"][0])
 
 
-def test_o1_data_movement_between_low_ops() -> None:
+def test_o1_data_movement_between_low_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     """A reshape/permute between two low ops (attention heads) moves float32 values: the
     views of a white-list result are cast down again where the next white-list op uses
     them; with no gradient to keep on the views' path (inference), each is taken as the
-    same view of the low result instead, with no cast and the same values."""
+    same view of the low result instead, with no cast and the same values, where making
+    the view costs less than the cast (not a small CPU tensor)."""
+    from mixprec.convert import runtime
 
     class Heads(nn.Module):
         def __init__(self) -> None:
@@ -515,6 +517,13 @@ def test_o1_data_movement_between_low_ops() -> None:
     assert amp.explain(converted, x).num_casts == counter.total
     assert rel_error(out, model(x)) < BF16_TOL
     with torch.no_grad():
+        cast, counter = count_casts(converted, x)
+        assert amp.explain(converted, x).num_casts == counter.total
+    # small CPU views: cast, as with gradients
+    assert counter.casts == {(torch.float32, torch.bfloat16): 9, (torch.bfloat16, torch.float32): 3}
+    assert torch.equal(cast, out)
+    monkeypatch.setattr(runtime, "_CPU_VIEW_MIN", 0)  # (as a large or a GPU tensor's)
+    with torch.no_grad():
         viewed, counter = count_casts(converted, x)
         assert amp.explain(converted, x).num_casts == counter.total
     # down: x and the 4 weights; q, k, v and the output's view are views of low results
@@ -522,7 +531,14 @@ def test_o1_data_movement_between_low_ops() -> None:
     assert torch.equal(viewed, out)
 
 
-def test_o1_a_view_of_a_value_written_since_its_cast_is_cast_afresh() -> None:
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+def test_o1_a_view_of_a_value_written_since_its_cast_is_cast_afresh(
+    grad: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mixprec.convert import runtime
+
+    monkeypatch.setattr(runtime, "_CPU_VIEW_MIN", 0)  # (views taken as views of the cast)
+
     class Writes(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -538,7 +554,8 @@ def test_o1_a_view_of_a_value_written_since_its_cast_is_cast_afresh() -> None:
     torch.manual_seed(0)
     model = Writes()
     x = torch.randn(2, 4)
-    out = amp.auto_mixed_precision(model, "O1", "bf16")(x)
+    with torch.set_grad_enabled(grad):
+        out = amp.auto_mixed_precision(model, "O1", "bf16")(x)
     with torch.no_grad():
         y = F.linear(x.bfloat16(), model.fc.weight.bfloat16(), model.fc.bias.bfloat16()).float()
         heads = y.view(2, 2, 4).bfloat16()

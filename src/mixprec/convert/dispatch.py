@@ -172,7 +172,12 @@ def _kernel(op: Any, name: str, key: Any) -> Callable[..., Any]:
                 return call(*args, **kwargs)
             down = state.down
             low = [
-                down(value) if type(value) in _TENSORS else _down(state, value) for value in args
+                down(value)
+                if type(value) in _TENSORS
+                else value
+                if type(value) in _SCALARS
+                else _down(state, value)
+                for value in args
             ]
             if kwargs:
                 kwargs = {word: _down(state, value) for word, value in kwargs.items()}
@@ -208,6 +213,7 @@ def _binding(name: str) -> Callable[..., Any] | None:
 #: and the non-tensor operands ops take (anything else asks ``only_plain_tensors``).
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str))
 _TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
+_SCALARS = _PLAIN - _TENSORS
 
 
 def _plain(values: Iterable[Any]) -> bool:

@@ -128,6 +128,13 @@ def _writes_in_place(
     return kwargs.get("inplace") is True or (len(args) > at and args[at] is True)
 
 
+#: The fewest elements of a CPU tensor :meth:`RuntimeListMode._view_of_cast` takes as a
+#: view of a cast: below it, the cast (a kernel on the host) costs less than finding and
+#: making the view (about 5 us: 2.1 us for a strided cast of 4,096 bfloat16 elements,
+#: 8 us for 65,536; `benchmarks/bench_overhead.py`'s BERT makes 16 such views per call)
+_CPU_VIEW_MIN = 32_768
+
+
 class RuntimeListMode(TorchFunctionMode):
     """Applies a decision table to each torch function call made while it is active."""
 
@@ -196,6 +203,7 @@ class RuntimeListMode(TorchFunctionMode):
             base is not None
             and (id(base), dtype) in self.memo  # (the view's base was cast: look closer)
             and not leaf.requires_grad
+            and (not leaf.is_cpu or leaf.numel() >= _CPU_VIEW_MIN)
             and type(leaf) in _plain_types()
         ):
             cast = self._view_of_cast(leaf, base, dtype)
