@@ -3,8 +3,9 @@
 The models are so small (4 layers, width 16, batch 1, 8 tokens) that compute is
 negligible: what is timed is the host (Python and dispatcher) time per call, the regime a
 GPU's launch-bound workloads see (small models, ``generate()`` decoding). Every column is
-timed in interleaved rounds (one call of each per round, in turn) and reported as the
-median, as a ratio to ``torch.autocast("cpu", torch.bfloat16)`` on the original model;
+timed in interleaved rounds (one call of each per round, in an order shuffled each round)
+and reported as the median, as a ratio to ``torch.autocast("cpu", torch.bfloat16)`` on the
+original model;
 "bf16 model" is the model with its parameters in bf16 and no autocast.
 
 ``--breakdown`` adds two diagnostic columns (forward only): "O3 precast", O3 with its
@@ -29,6 +30,7 @@ import argparse
 import contextlib
 import copy
 import functools
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -171,8 +173,9 @@ def time_rounds(
     timed: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     idle: Callable[[], None] = lambda: None,
 ) -> dict[str, float]:
-    """Median seconds per call of each, measured in interleaved rounds (after three
-    warm-up calls each; the rounds run inside ``timed()``; ``idle()`` runs before each
+    """Median seconds per call of each, measured in interleaved rounds (one call of each
+    per round, in an order shuffled each round; after three warm-up calls each; the rounds
+    run inside ``timed()``; ``idle()`` runs before each
     call, outside its time: a GPU synchronize, so that each call starts on an idle GPU)."""
     grad = torch.enable_grad if backward else torch.no_grad
 
@@ -189,10 +192,13 @@ def time_rounds(
         for _ in range(3):
             once(call)
     times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    shuffle = random.Random(0).shuffle
     with timed():
         for _ in range(rounds):
-            for name, call in calls.items():
-                times[name].append(once(call))
+            shuffle(order)  # (a fixed order favours or penalises a column by its neighbour)
+            for name in order:
+                times[name].append(once(calls[name]))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
