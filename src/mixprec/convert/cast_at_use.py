@@ -27,7 +27,11 @@ conversion runs**, in the thread that runs it:
    op cost more host time than the rest of the conversion together (a model that makes a
    float32 tensor in such a module and feeds it to a matmul with low activations gets
    PyTorch's dtype error, with a note saying how to fix it, as a pure low-precision model
-   would).
+   would);
+4. an ``nn.Linear`` or ``nn.Conv1d/2d/3d`` that runs its class's own ``forward`` (checked
+   at each call: its class, the class's ``forward``, its weights in its ``_parameters``)
+   makes that forward's one call itself (:meth:`ModuleCall._direct`): the same casts and
+   the same call, with no Python frame for the forward or for its weight reads.
 
 Weights are cast afresh on each outermost call (once per weight), so every write to a
 Parameter (in place, ``.data``, ``load_state_dict``, a fused optimizer that bumps no
