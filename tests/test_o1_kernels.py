@@ -366,3 +366,31 @@ def test_a_mode_of_the_users_sees_each_listed_call_once() -> None:
     with Computes("addmm", "mm", "matmul") as computes:
         converted(x)
     assert set(computes.seen["addmm"]) == {BF16}
+
+
+def test_a_one_call_layer_inside_a_block_set_aside_leaves_the_kernels_aside() -> None:
+    """A Linear or ReLU making its one call directly sets the kernels' key aside for it and
+    puts back what it found: inside a block where the kernels already stand aside (a child
+    with casts of its own), the ops after it are still left to PyTorch."""
+
+    class Aside(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.relu = nn.ReLU()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with dispatch.aside():
+                h = self.relu(self.fc(x))
+                assert torch._C._dispatch_tls_is_dispatch_key_excluded(dispatch.key())
+                after = torch.mm(h, self.w)  # (left to PyTorch: float32)
+            assert not torch._C._dispatch_tls_is_dispatch_key_excluded(dispatch.key())
+            return after + torch.mm(h, self.w)  # (listed: low, cast back)
+
+    converted = amp.auto_mixed_precision(Aside(), "O1", "bf16")
+    assert _region(converted).kernels
+    with Computes("mm", "addmm") as computes:
+        out = converted(torch.randn(2, 4))
+    assert computes.seen["mm"] == [torch.float32, BF16]
+    assert out.dtype == torch.float32
