@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import mixprec as amp
 from mixprec.boost.adasum import adasum_pair
+from spawn import run
 
 
 def test_adasum_pair_closed_form() -> None:
@@ -24,72 +22,55 @@ def test_adasum_pair_closed_form() -> None:
     torch.testing.assert_close(adasum_pair(a, torch.zeros(2)), a)  # a zero adds nothing
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+def _worker(rank: int, world: int) -> dict[str, object]:
+    generator = torch.Generator().manual_seed(10 + rank)
+    x, y = (
+        torch.randn(8, 4, generator=generator),
+        torch.randint(0, 2, (8,), generator=generator),
     )
+    local = _model()
+    nn.CrossEntropyLoss()(local(x), y).backward()
+    model = _model()
+    refused = ""
     try:
-        generator = torch.Generator().manual_seed(10 + rank)
-        x, y = (
-            torch.randn(8, 4, generator=generator),
-            torch.randint(0, 2, (8,), generator=generator),
-        )
-        local = _model()
-        nn.CrossEntropyLoss()(local(x), y).backward()
-        model = _model()
-        refused = ""
-        try:
-            other = _model()
-            amp.build_train_network(
-                nn.parallel.DistributedDataParallel(other),
-                torch.optim.SGD(other.parameters(), lr=0.0),
-                nn.CrossEntropyLoss(),
-                "O0",
-                "O2",
-            )
-        except ValueError as error:
-            refused = str(error)
-        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-        seen: list[torch.Tensor] = []
-        step = amp.build_train_network(
-            ddp,
-            torch.optim.SGD(model.parameters(), lr=0.0),
+        other = _model()
+        amp.build_train_network(
+            nn.parallel.DistributedDataParallel(other),
+            torch.optim.SGD(other.parameters(), lr=0.0),
             nn.CrossEntropyLoss(),
             "O0",
             "O2",
-            boost_config={"freeze": False, "optimizer": "off"},
-            after_unscale=lambda s, params: seen.extend(p.grad.clone() for p in params),
         )
-        step(x, y)
-        torch.save(
-            {
-                "local": [p.grad for p in local.parameters()],
-                "combined": seen,
-                "refused": refused,
-                "repr": repr(step),
-            },
-            Path(out) / f"rank{rank}.pt",
-        )
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    except ValueError as error:
+        refused = str(error)
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    seen: list[torch.Tensor] = []
+    step = amp.build_train_network(
+        ddp,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        nn.CrossEntropyLoss(),
+        "O0",
+        "O2",
+        boost_config={"freeze": False, "optimizer": "off"},
+        after_unscale=lambda s, params: seen.extend(p.grad.clone() for p in params),
+    )
+    step(x, y)
+    return {
+        "local": [p.grad for p in local.parameters()],
+        "combined": seen,
+        "refused": refused,
+        "repr": repr(step),
+    }
 
 
 @pytest.mark.distributed
 def test_adasum_hook_matches_the_closed_form_on_two_ranks(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = run(_worker, tmp_path)
     for g0, g1, got0, got1 in zip(
         ranks[0]["local"],
         ranks[1]["local"],
