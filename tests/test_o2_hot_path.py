@@ -477,11 +477,16 @@ def _one_call_layers() -> list[nn.Module]:
         nn.Conv1d(4, 4, 3, padding=1),
         nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect", bias=False),
         nn.Conv3d(4, 4, 1),
+        nn.LayerNorm(4),
+        nn.LayerNorm(4, bias=False),
+        nn.Embedding(10, 4, padding_idx=0),
     ]
 
 
 def _sample(layer: nn.Module) -> torch.Tensor:
-    dims = {nn.Linear: (3, 4), nn.Conv1d: (2, 4, 5), nn.Conv2d: (2, 4, 5, 5)}
+    if isinstance(layer, nn.Embedding):
+        return torch.tensor([[0, 3, 9], [1, 1, 2]])
+    dims = {nn.Linear: (3, 4), nn.LayerNorm: (3, 4), nn.Conv1d: (2, 4, 5), nn.Conv2d: (2, 4, 5, 5)}
     return torch.randn(dims.get(type(layer), (1, 4, 2, 3, 3)))
 
 
@@ -506,18 +511,20 @@ def _forward_calls(cls: type, run: Any) -> int:
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(8))
 @pytest.mark.parametrize("nested", [False, True], ids=["root-child", "nested"])
 def test_a_one_call_layer_runs_its_forwards_call_without_its_frame(
     level: str, index: int, nested: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Linear or Conv called by its parent computes its class forward's one call on its
-    weights cast once, with no frame for the forward: the same output and gradients, bit
-    for bit, as running the class forward."""
+    """A Linear, Conv, Embedding or low LayerNorm called by its parent computes its class
+    forward's one call on its weights cast once, with no frame for the forward: the same
+    output and gradients, bit for bit, as running the class forward (an O2 LayerNorm, a
+    float32 island, runs its forward)."""
     from mixprec.convert.cast_at_use import ModuleCall
 
     torch.manual_seed(index)
     layer = _one_call_layers()[index]
+    island = level == "O2" and isinstance(layer, nn.LayerNorm)
     model = nn.Sequential(nn.Sequential(layer) if nested else layer, nn.Tanh())
     low = copy.deepcopy(layer).bfloat16()
     x = _sample(layer)
@@ -529,7 +536,7 @@ def test_a_one_call_layer_runs_its_forwards_call_without_its_frame(
         return out, [p.grad for p in converted.parameters()]
 
     converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
-    assert _forward_calls(type(layer), lambda: run(converted)) == 0
+    assert _forward_calls(type(layer), lambda: run(converted)) == int(island)
     out, grads = run(converted)
     monkeypatch.setattr(ModuleCall, "_direct", lambda self, frame, x: NotImplemented)
     assert _forward_calls(type(layer), lambda: run(converted)) == 1
@@ -539,8 +546,10 @@ def test_a_one_call_layer_runs_its_forwards_call_without_its_frame(
     for grad, want in zip(grads, expected_grads, strict=True):
         assert grad.dtype == torch.float32
         assert torch.equal(grad, want)
+    if island:
+        return
     with torch.no_grad():  # and it is the layer's computation in bfloat16
-        want = torch.tanh(low(x.bfloat16()).float())
+        want = torch.tanh(low(x if x.dtype == torch.int64 else x.bfloat16()).float())
     torch.testing.assert_close(out.float(), want, rtol=0.02, atol=0.02)
 
 
@@ -627,3 +636,37 @@ def test_a_one_call_layer_whose_forward_decides_computes_as_its_forward(
         if grad is not None:
             assert torch.equal(grad, want)
     torch.testing.assert_close(out.float(), original(x), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_an_embedding_renormed_in_its_call_writes_its_weight_as_its_forward_does(
+    level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``nn.Embedding(max_norm=...)`` renormalizes the rows it looks up in place, inside its
+    call: made on the cast weight by the one-call path, the write reaches the stored
+    Parameter as it does through the layer's own forward (and as the original's, within
+    bfloat16's rounding)."""
+    from mixprec.convert.cast_at_use import ModuleCall
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0)), nn.Linear(4, 2))
+
+    ids = torch.tensor([[1, 2, 2], [7, 0, 1]])
+    original = make()
+    original(ids)
+    results = []
+    for direct in (True, False):
+        if not direct:
+            monkeypatch.setattr(ModuleCall, "_direct", lambda self, frame, x: NotImplemented)
+        converted = amp.auto_mixed_precision(make(), level, torch.bfloat16)
+        with torch.no_grad():
+            out = converted(ids)
+        results.append((out, converted[0][0].weight.detach().clone()))
+    (out, weight), (expected, expected_weight) = results
+    assert torch.equal(out, expected)
+    assert torch.equal(weight, expected_weight)
+    assert weight.dtype == torch.float32
+    touched = ids.unique()
+    assert not torch.equal(weight[touched], make()[0][0].weight.detach()[touched])  # renormed
+    torch.testing.assert_close(weight, original[0][0].weight.detach(), rtol=0.01, atol=0.01)

@@ -28,7 +28,8 @@ conversion runs**, in the thread that runs it:
    float32 tensor in such a module and feeds it to a matmul with low activations gets
    PyTorch's dtype error, with a note saying how to fix it, as a pure low-precision model
    would);
-4. an ``nn.Linear`` or ``nn.Conv1d/2d/3d`` that runs its class's own ``forward`` (checked
+4. an ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding`` or low ``nn.LayerNorm`` (O3)
+   that runs its class's own ``forward`` (checked
    at each call: its class, the class's ``forward``, its weights in its ``_parameters``)
    makes that forward's one call itself (:meth:`ModuleCall._direct`): the same casts and
    the same call, with no Python frame for the forward or for its weight reads.
@@ -48,7 +49,7 @@ import inspect
 import threading
 import types
 from collections.abc import Callable, Collection, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -421,8 +422,9 @@ class LowParameters(dict[str, Any]):
                 yield name, value
 
 
-#: Layers whose forward is one call of their weights (see :meth:`ModuleCall._direct`).
-_ONE_CALL = frozenset((nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+#: Layers whose forward is one call of their weights (see :meth:`ModuleCall._direct`); a
+#: LayerNorm takes it where it computes low (O3, or a low pin), never as a float32 island.
+_ONE_CALL = frozenset((nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.Embedding))
 
 #: Tensor types an island takes on its fast path (plain tensors: no rules of their own).
 _TENSOR_TYPES = frozenset((torch.Tensor, nn.Parameter))
@@ -785,7 +787,8 @@ class ModuleCall:
         #: whether its floating buffers may meet low activations in its own code (a
         #: float32 island computes in float32; a norm's kernel takes float32 statistics)
         self.buffers_mix = not float32 and not isinstance(module, lists.FP32_STATE_MODULES)
-        #: an ``nn.Linear`` or ``nn.Conv1d/2d/3d`` running its class's forward (one call,
+        #: an ``nn.Linear``, ``nn.Conv1d/2d/3d``, low ``nn.LayerNorm`` or ``nn.Embedding``
+        #: running its class's forward (one call,
         #: which :meth:`_direct` makes): ``(class, its forward)``, checked at each call
         cls = type(module)
         self.direct = (
@@ -916,16 +919,18 @@ class ModuleCall:
         return self._plain(args, kwargs)
 
     def _direct(self, frame: _Frame, x: Any) -> Any:
-        """A one-call layer's forward (``F.linear``, ``_conv_forward``) inside a running
-        call, its weight and bias read as its own ``self.weight`` and ``self.bias`` would
-        read them (cast once per call), with no frame for the forward and none for each
-        read: the same casts, the same call, the same result. NotImplemented where its
-        forward decides (its class or the class's ``forward`` changed since conversion, a
-        weight not in its ``_parameters``: a parametrization; names kept as stored, a
-        tensor subclass, a weight this call has read already)."""
+        """A one-call layer's forward (``F.linear``, ``_conv_forward``, ``F.layer_norm``,
+        ``F.embedding``) inside a running call, its weight and bias read as its own
+        ``self.weight`` and ``self.bias`` would read them (cast once per call), with no
+        frame for the forward and none for each read: the same casts, the same call, the
+        same result. NotImplemented where its forward decides (its class or the class's
+        ``forward`` changed since conversion, a weight not in its ``_parameters``: a
+        parametrization; names kept as stored, a tensor subclass, no affine weight, a
+        weight this call has read already)."""
         module = self.module
         cls, forward = self.direct  # type: ignore[misc]
         params = module.__dict__["_parameters"]
+        embedding = cls is nn.Embedding  # (its one Parameter: no bias)
         if (
             type(module) is not cls
             or cls.forward is not forward
@@ -933,12 +938,12 @@ class ModuleCall:
             or params.kept
             or params.state is not self.state
             or "weight" not in params
-            or "bias" not in params
+            or (not embedding and "bias" not in params)
             or type(x) is not torch.Tensor
         ):
             return NotImplemented
         weight = dict.__getitem__(params, "weight")
-        bias = dict.__getitem__(params, "bias")
+        bias = None if embedding else dict.__getitem__(params, "bias")
         casts = frame.casts
         if (
             type(weight) is not nn.Parameter
@@ -952,7 +957,20 @@ class ModuleCall:
             bias = _cast_for(frame, bias, dtype)
         if cls is nn.Linear:
             return F.linear(x, weight, bias)
-        return module._conv_forward(x, weight, bias)  # type: ignore[operator]
+        module = cast(Any, module)  # (its class's attributes, read as its forward reads them)
+        if cls is nn.LayerNorm:
+            return F.layer_norm(x, module.normalized_shape, weight, bias, module.eps)
+        if embedding:
+            return F.embedding(
+                x,
+                weight,
+                module.padding_idx,
+                module.max_norm,
+                module.norm_type,
+                module.scale_grad_by_freq,
+                module.sparse,
+            )
+        return module._conv_forward(x, weight, bias)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The instance ``forward`` (what ``nn.Module._call_impl`` calls after the hooks,
