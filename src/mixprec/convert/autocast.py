@@ -303,8 +303,7 @@ class Region:
         #: (:mod:`mixprec.convert.dispatch`) rather than the mode
         self.names = frozenset(op for op in recipe.low_ops if isinstance(op, str))
         self.kernels = dispatch.supports(self.names)
-        self.keyset = dispatch.keyset()  # (what a call that makes its own casts excludes)
-        self.listed_key = dispatch.key()  # (the same, as the one key it holds)
+        self.listed_key = dispatch.key()  # (what a call that makes its own casts excludes)
         self.key = register(self)  # (what a compiled call reads it by: see InRegion)
         self.warned = False  # (of an outer torch.autocast)
 

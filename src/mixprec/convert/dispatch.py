@@ -35,7 +35,7 @@ from mixprec.policy.ops import only_plain_tensors
 if TYPE_CHECKING:
     from mixprec.convert.runtime import RuntimeListMode
 
-__all__ = ["ListRegion", "aside", "is_excluded", "key", "keyset", "set_excluded", "supports"]
+__all__ = ["ListRegion", "aside", "is_excluded", "key", "set_excluded", "supports"]
 
 #: The dispatcher's thread-local exclusion of one key, set and read directly: a
 #: ``_ExcludeDispatchKeyGuard`` costs three times as much, on the hot path of every listed
@@ -263,13 +263,6 @@ class ListRegion:
                 guard.__exit__(None, None, None)
         finally:
             _LOCAL.state = self._saved
-
-
-def keyset() -> Any:
-    """The key's ``DispatchKeySet`` (None when the kernels are not used)."""
-    if _KERNELS is None or not _KERNELS.usable:
-        return None
-    return _KERNELS.keyset
 
 
 def key() -> Any:
