@@ -577,9 +577,12 @@ class WhiteForward(InRegion):
                     and not kwargs
                     and region.kernels
                     and not _compiler._is_compiling_flag
-                    and (out := self._direct(running, args[0])) is not NotImplemented
                 ):  # the hot path: inside the model, no hooks
-                    return running.cast_back_eager(out)
+                    out = self._direct(running, args[0])
+                    if out is not NotImplemented:
+                        return running.cast_back_eager(out)
+                    out = self._run(module, region, running, args, kwargs, direct=False)
+                    return self._finish(module, running, out)
             hook_path = False
         if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
@@ -607,6 +610,7 @@ class WhiteForward(InRegion):
         mode: RuntimeListMode,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        direct: bool = True,  # (False: the caller's direct call declined already)
     ) -> Any:
         if self.inner is not None:
             return self.inner(*args, **kwargs)
@@ -625,7 +629,8 @@ class WhiteForward(InRegion):
                 else self.own(*args, **kwargs)
             )
         if (
-            self.direct is not None
+            direct
+            and self.direct is not None
             and not kwargs
             and len(args) == 1
             and self.region.kernels
