@@ -670,3 +670,75 @@ def test_an_embedding_renormed_in_its_call_writes_its_weight_as_its_forward_does
     touched = ids.unique()
     assert not torch.equal(weight[touched], make()[0][0].weight.detach()[touched])  # renormed
     torch.testing.assert_close(weight, original[0][0].weight.detach(), rtol=0.01, atol=0.01)
+
+
+def _patched(call: Any) -> Any:
+    """A ``forward`` in place of a layer class's own: its one call, then ``* 0 + 7``."""
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return call(self, x) * 0 + 7
+
+    return forward
+
+
+#: (a layer, its input, a patched forward of its class)
+PATCHED_LAYERS = {
+    "linear": (
+        lambda: nn.Linear(4, 4),
+        lambda: torch.randn(3, 4),
+        _patched(lambda self, x: torch.nn.functional.linear(x, self.weight, self.bias)),
+    ),
+    "conv2d": (
+        lambda: nn.Conv2d(2, 2, 3, padding=1),
+        lambda: torch.randn(1, 2, 4, 4),
+        _patched(lambda self, x: self._conv_forward(x, self.weight, self.bias)),
+    ),
+    "layer_norm": (
+        lambda: nn.LayerNorm(4),
+        lambda: torch.randn(3, 4),
+        _patched(
+            lambda self, x: torch.nn.functional.layer_norm(
+                x, self.normalized_shape, self.weight, self.bias, self.eps
+            )
+        ),
+    ),
+    "embedding": (
+        lambda: nn.Embedding(8, 4),
+        lambda: torch.tensor([[1, 2, 3]]),
+        _patched(lambda self, x: torch.nn.functional.embedding(x, self.weight)),
+    ),
+    "relu": (lambda: nn.ReLU(), lambda: torch.randn(3, 4), _patched(lambda self, x: torch.relu(x))),
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("layer", list(PATCHED_LAYERS))
+@pytest.mark.parametrize("level", ["O1", "autocast", "O2", "O3"])
+def test_a_layer_class_patched_runs_its_patched_forward(
+    level: str, layer: str, when: str, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A library that patches a built-in layer class's ``forward`` (as kernel libraries do),
+    before conversion or after it, reaches every converted layer of that class: none of
+    the paths that make a built-in layer's one call in its place (``F.linear`` for an
+    ``nn.Linear``) stands in for a forward PyTorch did not write."""
+    make, given, patch = PATCHED_LAYERS[layer]
+    cls = type(make())
+    torch.manual_seed(0)
+    x = given()
+    model = nn.Sequential(nn.Linear(x.shape[-1], x.shape[-1]), nn.Sequential(make()))
+    if layer == "embedding":
+        model = nn.Sequential(nn.Sequential(make()))
+    if when == "before":
+        monkeypatch.setattr(cls, "forward", patch)
+    converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+    run: Any = converted
+    if compiled:
+        torch._dynamo.reset()
+        run = torch.compile(converted, backend="eager")
+    with torch.no_grad():
+        if when == "after":
+            run(x)  # (a first call: whatever it caches or traces)
+            monkeypatch.setattr(cls, "forward", patch)
+        out = run(x)
+    assert torch.equal(out.float(), torch.full_like(out.float(), 7.0)), (level, layer, when)

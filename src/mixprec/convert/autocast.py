@@ -75,12 +75,15 @@ from mixprec.convert.runtime import (
     RuntimeForward,
     RuntimeListMode,
     any_nested,
+    compiled_module,
     decision_table,
+    own_code_compiled,
     standing_aside,
 )
 from mixprec.convert.structure import (
     CONVERSION_ATTR,
     add_repr_note,
+    compiled_facts,
     owner,
     qualified_name,
     register,
@@ -88,6 +91,7 @@ from mixprec.convert.structure import (
     set_forward_hooks,
     structural_copy,
     takes_hook_path,
+    torch_forward,
 )
 from mixprec.policy import lists
 from mixprec.policy.dtypes import dtype_name, is_castable
@@ -194,12 +198,21 @@ class AutocastForward(ForwardBase):
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
         facts: Facts | AutocastForward
         if _dynamo_compiling():  # (ForwardBase.entry, inline: the hot call)
-            module, facts, hook_path = self.compiled(hooked)
+            facts = found = compiled_facts(self.forward_key)
+            module, hook_path = compiled_module(self, found, hooked, _INSIDE.depth > 0)
+            if hook_path:
+                return nn.Module._call_impl(module, *args, **kwargs)
+            if (
+                _INSIDE.depth
+                and not facts.root
+                and not facts.as_written
+                and not (facts.may_get_nested and any_nested(args, kwargs))
+            ):  # inside the model (below, as in eager): its own code, read by its facts
+                return own_code_compiled(self, module, found, args, kwargs)
         else:
             module, facts = self.module, self
-            hook_path = not hooked and takes_hook_path(module, self)
-        if hook_path:
-            return nn.Module._call_impl(module, *args, **kwargs)
+            if not hooked and takes_hook_path(module, self):
+                return nn.Module._call_impl(module, *args, **kwargs)
         inside = _INSIDE
         if facts.as_written or (facts.may_get_nested and any_nested(args, kwargs)):
             depth, inside.depth = inside.depth, 0  # children enter afresh
@@ -441,7 +454,10 @@ class ListedForward(InRegion):
         self.may_get_nested = under_fast_path  # only a fast path makes nested tensors
         #: an ``nn.ReLU`` whose one call (white at O1) is made here, without its kernel
         self.relu = (
-            type(module).forward is nn.ReLU.forward and "relu" in region.names and self.own is None
+            type(module).forward is nn.ReLU.forward
+            and torch_forward(nn.ReLU)
+            and "relu" in region.names
+            and self.own is None
         )
 
     def call_impl(self, *args: Any, **kwargs: Any) -> Any:
@@ -449,10 +465,17 @@ class ListedForward(InRegion):
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
         facts: Facts | ListedForward
         if _dynamo_compiling():  # (ForwardBase.entry, inline: the hot call)
-            module, facts, hook_path = self.compiled(hooked)
-            region = owner(facts.region_key)
+            facts = found = compiled_facts(self.forward_key)
+            region = owner(found.region_key)
+            module, hook_path = compiled_module(self, found, hooked, region.local.depth > 0)
             if hook_path:
                 return nn.Module._call_impl(module, *args, **kwargs)
+            if (
+                region.local.depth
+                and not facts.as_written
+                and not (facts.may_get_nested and any_nested(args, kwargs))
+            ):  # inside the model (below, as in eager; the mode applies the list)
+                return own_code_compiled(self, module, found, args, kwargs)
         else:
             module, region, facts = self.module, self.region, self
             slots = module.__dict__  # (takes_hook_path, inline: the hot call)
@@ -488,6 +511,7 @@ class ListedForward(InRegion):
                 and len(args) == 1
                 and not kwargs
                 and not module.inplace
+                and type(module).forward is _RELU_FORWARD  # (not patched since)
             ):
                 out = _direct_relu(local.mode, args[0], region.listed_key)
                 if out is not NotImplemented:
@@ -542,16 +566,21 @@ class WhiteForward(InRegion):
         #: a built-in layer whose one call is made here, without its operator's kernel
         one_call = inner is None and not inputs_low and self.own is None
         self.direct = _direct_kind(module) if one_call else None
+        #: its class's ``forward`` at conversion: a class patched since runs its own code
+        self.class_forward = type(module).forward
 
     def call_impl(self, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
-        facts: Facts | WhiteForward
         if _dynamo_compiling():  # (ForwardBase.entry, inline: the hot call)
-            module, facts, hook_path = self.compiled(hooked)
+            facts: Facts = compiled_facts(self.forward_key)
             region = owner(facts.region_key)
+            module, hook_path = compiled_module(self, facts, hooked, region.local.depth > 0)
+            running = region.local.mode
+            if not hook_path and region.local.depth and running is not None:
+                return _white_compiled(self, module, facts, region, running, args, kwargs)
         else:
-            module, region, facts = self.module, self.region, self
+            module, region = self.module, self.region
             if not hooked:
                 slots = module.__dict__  # (takes_hook_path, inline: the hot call)
                 if (
@@ -615,14 +644,7 @@ class WhiteForward(InRegion):
         if self.inner is not None:
             return self.inner(*args, **kwargs)
         if self.inputs_low:  # a layer subclass with its own code, which runs under the list
-            dtype = region.recipe.dtype
-
-            def down(value: Any) -> Any:
-                if isinstance(value, torch.Tensor):
-                    return mode.cast_value(value, dtype)
-                return tuple(map(down, value)) if type(value) is tuple else value
-
-            args, kwargs = tuple(map(down, args)), {k: down(v) for k, v in kwargs.items()}
+            args, kwargs = _inputs_down(mode, region.recipe.dtype, args, kwargs)
             return (
                 type(module).forward(module, *args, **kwargs)
                 if self.own is None
@@ -661,6 +683,8 @@ class WhiteForward(InRegion):
         params = module._parameters
         weight = params["weight"] if "weight" in params else module.weight  # noqa: SIM401
         bias = params["bias"] if "bias" in params else module.bias  # noqa: SIM401
+        if type(module).forward is not self.class_forward:
+            return NotImplemented  # (its class patched since conversion: its code decides)
         if (
             type(x) is not torch.Tensor
             or type(weight) is not nn.Parameter
@@ -685,6 +709,49 @@ class WhiteForward(InRegion):
         finally:
             if not aside:
                 _set_excluded(key, False)
+
+
+def _inputs_down(
+    mode: RuntimeListMode, dtype: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A white-list layer subclass's tensor arguments (or in tuples) cast down to ``dtype``
+    once per call, for its own code (:class:`WhiteForward`'s ``inputs_low``)."""
+
+    def down(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return mode.cast_value(value, dtype)
+        return tuple(map(down, value)) if type(value) is tuple else value
+
+    return tuple(map(down, args)), {k: down(v) for k, v in kwargs.items()}
+
+
+def _white_compiled(
+    forward: WhiteForward,
+    module: nn.Module,
+    facts: Facts,
+    region: Region,
+    mode: RuntimeListMode,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """A :class:`WhiteForward` inside the model under ``torch.compile`` (no hooks): what
+    its ``_run`` and ``_finish`` do there, its decisions read from ``facts`` (an attribute
+    of the forward read in the traced code is a guard per module, and its region a second
+    path to the region, guarded as an alias in Python)."""
+    if facts.inner:
+        out = forward.inner(*args, **kwargs)  # type: ignore[misc]
+    elif facts.inputs_low:
+        args, kwargs = _inputs_down(mode, region.recipe.dtype, args, kwargs)
+        out = own_code_compiled(forward, module, facts, args, kwargs)
+    else:
+        mode.back = False  # the layer's one white-list call keeps its result low
+        try:
+            out = own_code_compiled(forward, module, facts, args, kwargs)
+        finally:
+            mode.back = True
+    if module._forward_hooks or _global_forward_hooks:
+        return out  # CastBackLast casts it back after the hooks
+    return mode.cast_back(out)
 
 
 class CastBackLast(collections.OrderedDict):
@@ -724,6 +791,10 @@ _ONE_CALL_LAYERS: tuple[tuple[type[nn.Module], Callable[..., Any]], ...] = (
 )
 
 
+#: ``nn.ReLU``'s forward at import (what :func:`_direct_relu` stands in for)
+_RELU_FORWARD = nn.ReLU.forward
+
+
 def _direct_relu(mode: RuntimeListMode | None, x: Any, key: Any) -> Any:
     """``nn.ReLU``'s one call as its kernel makes it (input cast down once per call, result
     cast back), with no kernel; NotImplemented where the kernel decides."""
@@ -753,12 +824,12 @@ def _direct_relu(mode: RuntimeListMode | None, x: Any, key: Any) -> Any:
 def _direct_kind(module: nn.Module) -> str | None:
     """``"linear"`` for an ``nn.Linear``, ``"conv"`` for an ``nn.Conv1d/2d/3d``, running
     their class's own forward (their one call :meth:`WhiteForward._direct` makes)."""
-    if type(module).forward is nn.Linear.forward and isinstance(module, nn.Linear):
+    cls = type(module)
+    if not torch_forward(cls):
+        return None
+    if cls is nn.Linear:
         return "linear"
-    for cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
-        if isinstance(module, cls) and type(module).forward is cls.forward:
-            return "conv"
-    return None
+    return "conv" if cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d) else None
 
 
 class O1Kind(enum.Enum):
@@ -773,8 +844,12 @@ def o1_kind(module: nn.Module, region: Region) -> O1Kind:
     """How O1 runs ``module``, a module on the recipe's white list."""
     for cls, function in _ONE_CALL_LAYERS:
         if isinstance(module, cls):
-            if type(module).forward is not cls.forward or "forward" in module.__dict__:
-                return O1Kind.INPUTS_LOW  # a forward of its own (its class's, its instance's)
+            if (
+                type(module).forward is not cls.forward
+                or not torch_forward(cls)
+                or "forward" in module.__dict__
+            ):  # a forward of its own (its class's, its instance's, one patched on ``cls``)
+                return O1Kind.INPUTS_LOW
             if region.table.get(function) is Precision.LOW:
                 return O1Kind.ONE_CALL
     return O1Kind.WHOLE

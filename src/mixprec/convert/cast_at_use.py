@@ -49,7 +49,7 @@ import inspect
 import threading
 import types
 from collections.abc import Callable, Collection, Iterator
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +71,7 @@ from mixprec.convert.structure import (
     is_current,
     owner,
     register,
+    torch_forward,
 )
 from mixprec.policy import lists
 from mixprec.policy.dtypes import _CAST_METHODS, _CASTABLE, dtype_name, is_castable, to_dtype
@@ -325,6 +326,10 @@ class _Spec(NamedTuple):
     #: each pair guarded as aliases; its ``forward`` is read at each call (a class patched
     #: later runs its new forward)
     cls: str
+    #: a one-call layer whose weights a compiled call reads as :meth:`ModuleCall._direct`
+    #: does (from its ``LowParameters``, with no names kept: not through ``module.weight``,
+    #: whose traced lookup TorchDynamo guards step by step, per module)
+    direct: bool
 
 
 class _Facts(NamedTuple):
@@ -424,7 +429,12 @@ class LowParameters(dict[str, Any]):
 
 #: Layers whose forward is one call of their weights (see :meth:`ModuleCall._direct`); a
 #: LayerNorm takes it where it computes low (O3, or a low pin), never as a float32 island.
-_ONE_CALL = frozenset((nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.Embedding))
+_ONE_CALL: frozenset[type[nn.Module]] = frozenset(
+    (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.Embedding)
+)
+
+#: Their forwards as PyTorch wrote them (what a compiled call compares the class's with)
+_TORCH_FORWARDS = {cls: cls.forward for cls in _ONE_CALL}
 
 #: Tensor types an island takes on its fast path (plain tensors: no rules of their own).
 _TENSOR_TYPES = frozenset((torch.Tensor, nn.Parameter))
@@ -672,11 +682,17 @@ def _compiled_call(
     thread-local state and no mode (weights are cast at each read, inside the graph).
 
     It reads one attribute of ``call`` (its key: one guard) and reaches nothing a second
-    way: its module by :func:`~mixprec.convert.structure.owner`, its decisions by
+    way: its module by :func:`~mixprec.convert.structure.owner` (the root from ``call``:
+    see :func:`~mixprec.convert.runtime.compiled_module`), its decisions by
     :func:`~mixprec.convert.structure.compiled_facts` (each second path, and each decision
-    read as an attribute, would add a guard checked at every call)."""
+    read as an attribute, would add a guard checked at every call). A one-call layer's
+    weights are read from its ``LowParameters`` as :meth:`ModuleCall._direct` reads them:
+    through ``module.weight`` TorchDynamo would trace ``nn.Module.__getattr__`` and the
+    table's ``__getitem__``, guarding each step, per module."""
     facts = compiled_facts(call.forward_key)
-    module, spec = owner(facts.key), facts.spec
+    spec = facts.spec
+    # (the root by the frame's own path to it: see structure.owner)
+    module = call.module if spec.root else owner(facts.key)
     if not hooked and (not facts.current or hooked_compiled(module)):
         return nn.Module._call_impl(module, *args, **kwargs)
     if spec.root and spec.cast is not None:
@@ -696,8 +712,49 @@ def _compiled_call(
     elif spec.inner or spec.view:  # (a view: its flat weights are set on a per-call view)
         out = call._plain(args, kwargs)
     else:
-        out = owner(spec.cls).forward(module, *args, **kwargs)
+        cls = owner(spec.cls)
+        forward = cls.forward  # (guarded once per class: a class patched later retraces)
+        if spec.direct and len(args) == 1 and not kwargs and forward is _TORCH_FORWARDS[cls]:
+            # (its forward's one call)
+            params = module.__dict__["_parameters"]
+            weight = dict.__getitem__(params, "weight")
+            bias = dict.get(params, "bias")
+            out = _one_call(
+                cls,
+                module,
+                args[0],
+                to_dtype(weight, spec.low),
+                None if bias is None else to_dtype(bias, spec.low),
+            )
+        else:
+            out = forward(module, *args, **kwargs)
     return out if spec.output is None else cast_tree(out, spec.output)
+
+
+def _one_call(
+    cls: type[nn.Module],
+    module: Any,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> Any:
+    """The one call of a one-call layer of class ``cls`` (its ``forward``'s, on the
+    weights given): its class's attributes read as its forward reads them."""
+    if cls is nn.Linear:
+        return F.linear(x, weight, bias)
+    if cls is nn.LayerNorm:
+        return F.layer_norm(x, module.normalized_shape, weight, bias, module.eps)
+    if cls is nn.Embedding:
+        return F.embedding(
+            x,
+            weight,
+            module.padding_idx,
+            module.max_norm,
+            module.norm_type,
+            module.scale_grad_by_freq,
+            module.sparse,
+        )
+    return module._conv_forward(x, weight, bias)
 
 
 def _without_autocast(call: ModuleCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -793,7 +850,11 @@ class ModuleCall:
         cls = type(module)
         self.direct = (
             (cls, cls.forward)
-            if cls in _ONE_CALL and self.inner is None and dtype is not None and not float32
+            if cls in _ONE_CALL
+            and torch_forward(cls)
+            and self.inner is None
+            and dtype is not None
+            and not float32
             else None
         )
 
@@ -808,7 +869,26 @@ class ModuleCall:
             view=self.special,
             low=self.state.dtype,
             cls=register(type(self.module)),
+            direct=self._direct_table() is not None,
         )
+
+    def _direct_table(self) -> LowParameters | None:
+        """The module's ``LowParameters`` where its one call can be made here: a one-call
+        layer of the class it had at conversion, with that class's ``forward``, its
+        weights in a table of this conversion with no names kept."""
+        if self.direct is None:
+            return None
+        cls, forward = self.direct
+        params = self.module.__dict__.get("_parameters")
+        if (
+            type(self.module) is not cls
+            or cls.forward is not forward
+            or type(params) is not LowParameters
+            or params.kept
+            or params.state is not self.state
+        ):
+            return None
+        return params
 
     def facts(self) -> _Facts:
         """What a compiled call reads of it (see :func:`_compiled_call`)."""
@@ -955,22 +1035,9 @@ class ModuleCall:
         weight = _cast_for(frame, weight, dtype)
         if bias is not None:
             bias = _cast_for(frame, bias, dtype)
-        if cls is nn.Linear:
+        if cls is nn.Linear:  # (the common case, inline)
             return F.linear(x, weight, bias)
-        module = cast(Any, module)  # (its class's attributes, read as its forward reads them)
-        if cls is nn.LayerNorm:
-            return F.layer_norm(x, module.normalized_shape, weight, bias, module.eps)
-        if embedding:
-            return F.embedding(
-                x,
-                weight,
-                module.padding_idx,
-                module.max_norm,
-                module.norm_type,
-                module.scale_grad_by_freq,
-                module.sparse,
-            )
-        return module._conv_forward(x, weight, bias)
+        return _one_call(cls, module, x, weight, bias)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The instance ``forward`` (what ``nn.Module._call_impl`` calls after the hooks,

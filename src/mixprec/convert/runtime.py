@@ -368,6 +368,40 @@ class Facts(NamedTuple):
     may_get_nested: bool
     relu: bool
     direct: str | None
+    cls: str  # the module's class's key (its forward read by it: one guard per class)
+    own: bool  # a forward the module held before conversion runs (read from the forward)
+    inner: bool  # an O1 white-list forward's ``inner`` runs it
+    inputs_low: bool
+
+
+def compiled_module(
+    forward: ForwardBase, facts: Facts, hooked: bool, inside: bool
+) -> tuple[nn.Module, bool]:
+    """Under ``torch.compile``, a converted forward's module, and whether the call must go
+    through ``nn.Module._call_impl`` (hooks, or a forward set since). Inside a call of the
+    model the module is read by its key (its forward's attribute would be a second path to
+    it, guarded as an alias: see :func:`~mixprec.convert.structure.owner`); an entry (the
+    root) reads it from its forward, the path from the compiled frame's own argument, so
+    that every module below is reached by that argument's paths (read by the key, the root
+    would make every path below it global, and each module read by its key again an alias
+    of its path from the root)."""
+    module = owner(facts.key) if inside else forward.module
+    return module, not hooked and (not facts.current or hooked_compiled(module))
+
+
+def own_code_compiled(
+    forward: ForwardBase,
+    module: nn.Module,
+    facts: Facts,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Under ``torch.compile``: the module's own code (the forward it held before
+    conversion, else its class's ``forward``, read by the class's key: guarded once per
+    class where ``type(module).forward`` is guarded once per module)."""
+    if facts.own:
+        return forward.own(*args, **kwargs)  # type: ignore[misc]
+    return owner(facts.cls).forward(module, *args, **kwargs)
 
 
 class ForwardBase(ShowsForward):
@@ -409,6 +443,10 @@ class ForwardBase(ShowsForward):
             may_get_nested=getattr(self, "may_get_nested", False),
             relu=getattr(self, "relu", False),
             direct=getattr(self, "direct", None),
+            cls=register(type(self.module)),
+            own=self.own is not None,
+            inner=getattr(self, "inner", None) is not None,
+            inputs_low=getattr(self, "inputs_low", False),
         )
 
     def entry(self, hooked: bool) -> tuple[nn.Module, Facts | ForwardBase, bool]:
@@ -426,8 +464,8 @@ class ForwardBase(ShowsForward):
         second path to it, guarded as an alias), this forward's facts, and whether the
         call must go through ``nn.Module._call_impl`` (hooks, or a forward set since)."""
         facts = compiled_facts(self.forward_key)
-        module = owner(facts.key)
-        return module, facts, not hooked and (not facts.current or hooked_compiled(module))
+        module, hook_path = compiled_module(self, facts, hooked, inside=True)
+        return module, facts, hook_path
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The instance ``forward`` (what ``nn.Module._call_impl`` calls after the hooks,

@@ -206,6 +206,18 @@ def is_current(forward: Any) -> bool:
     return owner(forward.key).__dict__.get("forward") is forward
 
 
+def torch_forward(cls: type[nn.Module]) -> bool:
+    """Whether ``cls.forward`` is the ``forward`` PyTorch defines on ``cls`` (not one a
+    library patched onto the class, before conversion or since): what a converted call
+    checks before it makes a built-in layer's one call in its place."""
+    forward = cls.__dict__.get("forward")
+    return (
+        forward is not None
+        and getattr(forward, "__module__", None) == cls.__module__
+        and getattr(forward, "__qualname__", None) == f"{cls.__qualname__}.forward"
+    )
+
+
 def takes_hook_path(module: nn.Module, forward: object) -> bool:
     """Whether a call of ``module`` (converted, its ``forward`` the object ``forward``)
     must go through ``nn.Module._call_impl``, outside ``torch.compile``: hooks on it,
