@@ -13,6 +13,7 @@ from torch import nn
 
 import mixprec as amp
 from helpers import count_casts, rel_error
+from mixprec.convert.structure import forward_of
 
 BF16 = torch.bfloat16
 
@@ -297,4 +298,4 @@ def test_the_region_is_the_device_the_call_runs_on() -> None:
     assert call_device(empty, None, (), {"x": gpu}, "cpu") == "cuda"
     assert call_device(empty, None, (2.0,), {}, "cuda") == "cuda"  # else the conversion's
     converted = amp.auto_mixed_precision(nn.Sequential(nn.Linear(2, 2)), "autocast", "bf16")
-    assert converted.__dict__["forward"].probe is converted[0].weight
+    assert forward_of(converted).probe is converted[0].weight

@@ -17,13 +17,14 @@ import mixprec as amp
 from helpers import SmallCNN, TinyTransformer, count_casts
 from mixprec.convert import dispatch
 from mixprec.convert.autocast import ListedForward, Region, WhiteForward
+from mixprec.convert.structure import forward_of
 
 BF16 = torch.bfloat16
 
 
 def _region(converted: nn.Module) -> Region:
     for module in converted.modules():
-        forward = module.__dict__.get("forward")
+        forward = forward_of(module)
         if isinstance(forward, (ListedForward, WhiteForward)):
             return forward.region
     raise AssertionError("not an O1 conversion")

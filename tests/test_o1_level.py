@@ -17,6 +17,7 @@ from torch import nn
 import mixprec as amp
 from helpers import count_casts, needs_compile, rel_error
 from mixprec.convert.autocast import ListedForward
+from mixprec.convert.structure import forward_of
 from test_autocast_level import Cache, MaskCache, Recurrent
 
 BF16 = torch.bfloat16
@@ -258,7 +259,7 @@ def test_float32_ops_hold_under_an_outer_autocast_which_warns_once(
     so the white list computes in the level's dtype and everything else in float32."""
     torch.manual_seed(0)
     converted = _o1(_SeesDtypes())
-    forward = converted.__dict__["forward"]
+    forward = forward_of(converted)
     assert isinstance(forward, ListedForward)
     forward.region.kernels = kernels  # the dispatcher's kernels, or the mode (compile's path)
     low: list[torch.dtype] = []

@@ -538,7 +538,7 @@ def test_a_one_call_layer_runs_its_forwards_call_without_its_frame(
     converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
     assert _forward_calls(type(layer), lambda: run(converted)) == int(island)
     out, grads = run(converted)
-    monkeypatch.setattr(ModuleCall, "_direct", lambda self, frame, x: NotImplemented)
+    monkeypatch.setattr(ModuleCall, "_direct", lambda self, module, frame, x: NotImplemented)
     assert _forward_calls(type(layer), lambda: run(converted)) == 1
     expected, expected_grads = run(converted)
     assert out.dtype == expected.dtype
@@ -627,7 +627,7 @@ def test_a_one_call_layer_whose_forward_decides_computes_as_its_forward(
         return out, [p.grad for p in converted.parameters()], counter.total
 
     out, grads, casts = run()
-    monkeypatch.setattr(ModuleCall, "_direct", lambda self, frame, x: NotImplemented)
+    monkeypatch.setattr(ModuleCall, "_direct", lambda self, module, frame, x: NotImplemented)
     expected, expected_grads, expected_casts = run()
     assert torch.equal(out, expected)
     assert casts == expected_casts
@@ -658,7 +658,7 @@ def test_an_embedding_renormed_in_its_call_writes_its_weight_as_its_forward_does
     results = []
     for direct in (True, False):
         if not direct:
-            monkeypatch.setattr(ModuleCall, "_direct", lambda self, frame, x: NotImplemented)
+            monkeypatch.setattr(ModuleCall, "_direct", lambda self, module, frame, x: NotImplemented)
         converted = amp.auto_mixed_precision(make(), level, torch.bfloat16)
         with torch.no_grad():
             out = converted(ids)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from mixprec.convert.structure import user_class
 import mixprec
 from mixprec.convert.declared import with_declared_pins
 from mixprec.policy.levels import Precision, Recipe, resolve
@@ -200,7 +201,7 @@ def test_conversion_computes_what_the_policy_says(
         and answers[path] is F
         and answers[path.rpartition(".")[0]] is L
     }
-    for cls in {type(m) for m in converted.modules()}:
+    for cls in {user_class(m) for m in converted.modules()}:
         monkeypatch.setattr(cls, "forward", recording(cls.forward))
     converted(torch.randn(3, 4))
     expected_dtype = {L: torch.bfloat16, F: torch.float32}

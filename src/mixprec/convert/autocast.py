@@ -75,8 +75,8 @@ from mixprec.convert.runtime import (
     RuntimeForward,
     RuntimeListMode,
     any_nested,
-    compiled_module,
     decision_table,
+    hook_path_compiled,
     own_code_compiled,
     standing_aside,
 )
@@ -84,6 +84,7 @@ from mixprec.convert.structure import (
     CONVERSION_ATTR,
     add_repr_note,
     compiled_facts,
+    forward_of,
     owner,
     qualified_name,
     register,
@@ -92,6 +93,7 @@ from mixprec.convert.structure import (
     structural_copy,
     takes_hook_path,
     torch_forward,
+    user_class,
 )
 from mixprec.policy import lists
 from mixprec.policy.dtypes import dtype_name, is_castable
@@ -193,26 +195,57 @@ class AutocastForward(ForwardBase):
         self.may_get_nested = under_fast_path  # only a fast path makes nested tensors
         self.warned = False
 
-    def call_impl(self, *args: Any, **kwargs: Any) -> Any:
+    def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
-        facts: Facts | AutocastForward
-        if _dynamo_compiling():  # (ForwardBase.entry, inline: the hot call)
-            facts = found = compiled_facts(self.forward_key)
-            module, hook_path = compiled_module(self, found, hooked, _INSIDE.depth > 0)
-            if hook_path:
-                return nn.Module._call_impl(module, *args, **kwargs)
-            if (
-                _INSIDE.depth
-                and not facts.root
-                and not facts.as_written
-                and not (facts.may_get_nested and any_nested(args, kwargs))
-            ):  # inside the model (below, as in eager): its own code, read by its facts
-                return own_code_compiled(self, module, found, args, kwargs)
-        else:
-            module, facts = self.module, self
-            if not hooked and takes_hook_path(module, self):
-                return nn.Module._call_impl(module, *args, **kwargs)
+        if _dynamo_compiling():
+            facts = compiled_facts(self.forward_key)
+            return self.compiled_call(module, facts, args, kwargs, hooked)
+        if not hooked and takes_hook_path(module, self):
+            return nn.Module._call_impl(module, *args, **kwargs)
+        if (
+            _INSIDE.depth
+            and not self.root
+            and not self.as_written
+            and not (self.may_get_nested and any_nested(args, kwargs))
+        ):  # inside the model: the autocast state the code around it set (the region's,
+            # or the user's own torch.autocast, disabled or of another dtype, as under
+            # torch.autocast)
+            return (
+                self.cls.forward(module, *args, **kwargs)
+                if self.own is None
+                else self.own(*args, **kwargs)
+            )
+        return self._enter(module, self, args, kwargs)
+
+    @staticmethod
+    def compiled_call(
+        module: nn.Module,
+        facts: Facts,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        hooked: bool,
+    ) -> Any:
+        if hook_path_compiled(module, facts, hooked):
+            return nn.Module._call_impl(module, *args, **kwargs)
+        if (
+            _INSIDE.depth
+            and not facts.root
+            and not facts.as_written
+            and not (facts.may_get_nested and any_nested(args, kwargs))
+        ):  # inside the model (below, as in eager): its own code, read by its facts
+            return own_code_compiled(module, facts, args, kwargs)
+        return owner(facts.forward_key)._enter(module, facts, args, kwargs)
+
+    def _enter(
+        self,
+        module: nn.Module,
+        facts: Facts | AutocastForward,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """A call that enters the region (the root, a submodule called directly), or a
+        module that runs its own code as written."""
         inside = _INSIDE
         if facts.as_written or (facts.may_get_nested and any_nested(args, kwargs)):
             depth, inside.depth = inside.depth, 0  # children enter afresh
@@ -220,18 +253,15 @@ class AutocastForward(ForwardBase):
             try:
                 with torch.autocast(device, enabled=False):
                     return (
-                        type(module).forward(module, *args, **kwargs)
+                        self.cls.forward(module, *args, **kwargs)
                         if self.own is None
                         else self.own(*args, **kwargs)
                     )
             finally:
                 inside.depth = depth
-        if inside.depth and not facts.root:
-            # inside the model: the autocast state the code around it set (the region's,
-            # or the user's own torch.autocast, disabled or of another dtype, as under
-            # torch.autocast)
+        if inside.depth and not facts.root:  # (inside the model, with nested tensors)
             return (
-                type(module).forward(module, *args, **kwargs)
+                self.cls.forward(module, *args, **kwargs)
                 if self.own is None
                 else self.own(*args, **kwargs)
             )
@@ -243,7 +273,7 @@ class AutocastForward(ForwardBase):
         try:
             with torch.autocast(device, self.dtype):
                 return (
-                    type(module).forward(module, *args, **kwargs)
+                    self.cls.forward(module, *args, **kwargs)
                     if self.own is None
                     else self.own(*args, **kwargs)
                 )
@@ -278,17 +308,17 @@ class Fp32Forward(ForwardBase):
         self.device_type = device_type
         self.probe = _first_parameter(module)
 
-    def call_impl(self, *args: Any, **kwargs: Any) -> Any:
+    def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
-        module, _, hook_path = self.entry(hooked)
+        _, hook_path = self.entry(module, hooked)
         if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
         device = call_device(module, self.probe, args, kwargs, self.device_type)
         args, kwargs = _cast_floating((args, kwargs), torch.float32)
         with standing_aside(), torch.autocast(device, enabled=False):
             return (
-                type(module).forward(module, *args, **kwargs)
+                self.cls.forward(module, *args, **kwargs)
                 if self.own is None
                 else self.own(*args, **kwargs)
             )
@@ -454,80 +484,105 @@ class ListedForward(InRegion):
         self.may_get_nested = under_fast_path  # only a fast path makes nested tensors
         #: an ``nn.ReLU`` whose one call (white at O1) is made here, without its kernel
         self.relu = (
-            type(module).forward is nn.ReLU.forward
+            self.cls.forward is nn.ReLU.forward
             and torch_forward(nn.ReLU)
             and "relu" in region.names
             and self.own is None
         )
 
-    def call_impl(self, *args: Any, **kwargs: Any) -> Any:
+    def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
-        facts: Facts | ListedForward
-        if _dynamo_compiling():  # (ForwardBase.entry, inline: the hot call)
-            facts = found = compiled_facts(self.forward_key)
-            region = owner(found.region_key)
-            module, hook_path = compiled_module(self, found, hooked, region.local.depth > 0)
-            if hook_path:
-                return nn.Module._call_impl(module, *args, **kwargs)
+        if _dynamo_compiling():
+            facts = compiled_facts(self.forward_key)
+            return self.compiled_call(module, facts, args, kwargs, hooked)
+        region = self.region
+        slots = module.__dict__  # (takes_hook_path, inline: the hot call)
+        if not hooked and (
+            slots["_forward_pre_hooks"]
+            or slots["_forward_hooks"]
+            or slots["_backward_pre_hooks"]
+            or slots["_backward_hooks"]
+            or _global_forward_pre_hooks
+            or _global_forward_hooks
+            or _global_backward_pre_hooks
+            or _global_backward_hooks
+            or "forward" in slots
+            or torch._C._get_tracing_state()
+        ):
+            return nn.Module._call_impl(module, *args, **kwargs)
+        local = region.local
+        if (
+            local.depth
+            and not self.as_written
+            and not (self.may_get_nested and any_nested(args, kwargs))
+        ):  # inside the model: the region's mode is active
             if (
-                region.local.depth
-                and not facts.as_written
-                and not (facts.may_get_nested and any_nested(args, kwargs))
-            ):  # inside the model (below, as in eager; the mode applies the list)
-                return own_code_compiled(self, module, found, args, kwargs)
-        else:
-            module, region, facts = self.module, self.region, self
-            slots = module.__dict__  # (takes_hook_path, inline: the hot call)
-            if not hooked and (
-                slots["_forward_pre_hooks"]
-                or slots["_forward_hooks"]
-                or slots["_backward_pre_hooks"]
-                or slots["_backward_hooks"]
-                or _global_forward_pre_hooks
-                or _global_forward_hooks
-                or _global_backward_pre_hooks
-                or _global_backward_hooks
-                or slots.get("forward") is not self
-                or torch._C._get_tracing_state()
+                self.relu
+                and region.kernels
+                and len(args) == 1
+                and not kwargs
+                and not module.inplace
+                and self.cls.forward is _RELU_FORWARD  # (not patched since)
             ):
-                return nn.Module._call_impl(module, *args, **kwargs)
+                out = _direct_relu(local.mode, args[0], region.listed_key)
+                if out is not NotImplemented:
+                    return out
+            return (
+                self.cls.forward(module, *args, **kwargs)
+                if self.own is None
+                else self.own(*args, **kwargs)
+            )
+        return self._enter(module, region, self, args, kwargs)
+
+    @staticmethod
+    def compiled_call(
+        module: nn.Module,
+        facts: Facts,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        hooked: bool,
+    ) -> Any:
+        region = owner(facts.region_key)
+        if hook_path_compiled(module, facts, hooked):
+            return nn.Module._call_impl(module, *args, **kwargs)
+        if (
+            region.local.depth
+            and not facts.as_written
+            and not (facts.may_get_nested and any_nested(args, kwargs))
+        ):  # inside the model (below, as in eager; the mode applies the list)
+            return own_code_compiled(module, facts, args, kwargs)
+        return owner(facts.forward_key)._enter(module, region, facts, args, kwargs)
+
+    def _enter(
+        self,
+        module: nn.Module,
+        region: Region,
+        facts: Facts | ListedForward,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """A call that enters the region (the root, a submodule called directly), or a
+        module that runs its own code as written."""
         local = region.local
         if facts.as_written or (facts.may_get_nested and any_nested(args, kwargs)):
             depth, local.depth = local.depth, 0  # children enter afresh
             try:
                 with standing_aside():
                     return (
-                        type(module).forward(module, *args, **kwargs)
+                        self.cls.forward(module, *args, **kwargs)
                         if self.own is None
                         else self.own(*args, **kwargs)
                     )
             finally:
                 local.depth = depth
-        if local.depth:  # inside the model: the region's mode is active
-            if (
-                facts.relu
-                and region.kernels
-                and len(args) == 1
-                and not kwargs
-                and not module.inplace
-                and type(module).forward is _RELU_FORWARD  # (not patched since)
-            ):
-                out = _direct_relu(local.mode, args[0], region.listed_key)
-                if out is not NotImplemented:
-                    return out
-            return (
-                type(module).forward(module, *args, **kwargs)
-                if self.own is None
-                else self.own(*args, **kwargs)
-            )
         if not (_all_float32(args) and _all_float32(kwargs.values())):
             args, kwargs = _cast_call(args, kwargs, torch.float32, _needs_up)
         local.depth, local.mode = 1, region.mode()
         try:
             with region.applying(local.mode):
                 out = (
-                    type(module).forward(module, *args, **kwargs)
+                    self.cls.forward(module, *args, **kwargs)
                     if self.own is None
                     else self.own(*args, **kwargs)
                 )
@@ -567,54 +622,68 @@ class WhiteForward(InRegion):
         one_call = inner is None and not inputs_low and self.own is None
         self.direct = _direct_kind(module) if one_call else None
         #: its class's ``forward`` at conversion: a class patched since runs its own code
-        self.class_forward = type(module).forward
+        self.class_forward = self.cls.forward
 
-    def call_impl(self, *args: Any, **kwargs: Any) -> Any:
+    def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
-        if _dynamo_compiling():  # (ForwardBase.entry, inline: the hot call)
-            facts: Facts = compiled_facts(self.forward_key)
-            region = owner(facts.region_key)
-            module, hook_path = compiled_module(self, facts, hooked, region.local.depth > 0)
-            running = region.local.mode
-            if not hook_path and region.local.depth and running is not None:
-                return _white_compiled(self, module, facts, region, running, args, kwargs)
-        else:
-            module, region = self.module, self.region
-            if not hooked:
-                slots = module.__dict__  # (takes_hook_path, inline: the hot call)
-                if (
-                    slots["_forward_pre_hooks"]
-                    or slots["_forward_hooks"]
-                    or slots["_backward_pre_hooks"]
-                    or slots["_backward_hooks"]
-                    or _global_forward_pre_hooks
-                    or _global_forward_hooks
-                    or _global_backward_pre_hooks
-                    or _global_backward_hooks
-                    or slots.get("forward") is not self
-                    or torch._C._get_tracing_state()
-                ):
-                    return nn.Module._call_impl(module, *args, **kwargs)
-                local = region.local
-                running = local.mode
-                if (
-                    local.depth
-                    and running is not None
-                    and self.direct is not None
-                    and len(args) == 1
-                    and not kwargs
-                    and region.kernels
-                    and not _compiler._is_compiling_flag
-                ):  # the hot path: inside the model, no hooks
-                    out = self._direct(running, args[0])
-                    if out is not NotImplemented:
-                        return running.cast_back_eager(out)
-                    out = self._run(module, region, running, args, kwargs, direct=False)
-                    return self._finish(module, running, out)
-            hook_path = False
-        if hook_path:
+        if _dynamo_compiling():
+            facts = compiled_facts(self.forward_key)
+            return self.compiled_call(module, facts, args, kwargs, hooked)
+        region = self.region
+        if not hooked:
+            slots = module.__dict__  # (takes_hook_path, inline: the hot call)
+            if (
+                slots["_forward_pre_hooks"]
+                or slots["_forward_hooks"]
+                or slots["_backward_pre_hooks"]
+                or slots["_backward_hooks"]
+                or _global_forward_pre_hooks
+                or _global_forward_hooks
+                or _global_backward_pre_hooks
+                or _global_backward_hooks
+                or "forward" in slots
+                or torch._C._get_tracing_state()
+            ):
+                return nn.Module._call_impl(module, *args, **kwargs)
+            local = region.local
+            running = local.mode
+            if (
+                local.depth
+                and running is not None
+                and self.direct is not None
+                and len(args) == 1
+                and not kwargs
+                and region.kernels
+                and not _compiler._is_compiling_flag
+            ):  # the hot path: inside the model, no hooks
+                out = self._direct(module, running, args[0])
+                if out is not NotImplemented:
+                    return running.cast_back_eager(out)
+                out = self._run(module, region, running, args, kwargs, direct=False)
+                return self._finish(module, running, out)
+        return self._call(module, region, args, kwargs)
+
+    @staticmethod
+    def compiled_call(
+        module: nn.Module,
+        facts: Facts,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        hooked: bool,
+    ) -> Any:
+        region = owner(facts.region_key)
+        if hook_path_compiled(module, facts, hooked):
             return nn.Module._call_impl(module, *args, **kwargs)
+        running = region.local.mode
+        if region.local.depth and running is not None:
+            return _white_compiled(module, facts, region, running, args, kwargs)
+        return owner(facts.forward_key)._call(module, region, args, kwargs)
+
+    def _call(
+        self, module: nn.Module, region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A call with no one-call short cut: inside the model, or entering the region."""
         local = region.local
         running = local.mode
         if local.depth and running is not None:  # inside the model
@@ -646,7 +715,7 @@ class WhiteForward(InRegion):
         if self.inputs_low:  # a layer subclass with its own code, which runs under the list
             args, kwargs = _inputs_down(mode, region.recipe.dtype, args, kwargs)
             return (
-                type(module).forward(module, *args, **kwargs)
+                self.cls.forward(module, *args, **kwargs)
                 if self.own is None
                 else self.own(*args, **kwargs)
             )
@@ -658,32 +727,31 @@ class WhiteForward(InRegion):
             and self.region.kernels
             and not (_dynamo_compiling() or _compiler._is_compiling_flag)
         ):
-            out = self._direct(mode, args[0])
+            out = self._direct(module, mode, args[0])
             if out is not NotImplemented:
                 return out
         mode.back = False  # the layer's one white-list call keeps its result low
         try:
             return (
-                type(module).forward(module, *args, **kwargs)
+                self.cls.forward(module, *args, **kwargs)
                 if self.own is None
                 else self.own(*args, **kwargs)
             )
         finally:
             mode.back = True
 
-    def _direct(self, mode: RuntimeListMode, x: Any) -> Any:
+    def _direct(self, module: Any, mode: RuntimeListMode, x: Any) -> Any:
         """The layer's one call (``F.linear``, a convolution), its operands cast down
         here as its operator's kernel would cast them, with no kernel: the same casts, the
         same result (low), one Python call fewer. NotImplemented where the kernel decides
         (a tensor subclass, a padding mode of its own). Eager, with the list's kernels
         only: the callers check."""
-        module: Any = self.module
         # read directly: ``module.weight`` takes a Python call (``.get``'s default would
         # make that call every time)
         params = module._parameters
         weight = params["weight"] if "weight" in params else module.weight  # noqa: SIM401
         bias = params["bias"] if "bias" in params else module.bias  # noqa: SIM401
-        if type(module).forward is not self.class_forward:
+        if self.cls.forward is not self.class_forward:
             return NotImplemented  # (its class patched since conversion: its code decides)
         if (
             type(x) is not torch.Tensor
@@ -726,7 +794,6 @@ def _inputs_down(
 
 
 def _white_compiled(
-    forward: WhiteForward,
     module: nn.Module,
     facts: Facts,
     region: Region,
@@ -739,14 +806,14 @@ def _white_compiled(
     of the forward read in the traced code is a guard per module, and its region a second
     path to the region, guarded as an alias in Python)."""
     if facts.inner:
-        out = forward.inner(*args, **kwargs)  # type: ignore[misc]
+        out = owner(facts.forward_key).inner(*args, **kwargs)
     elif facts.inputs_low:
         args, kwargs = _inputs_down(mode, region.recipe.dtype, args, kwargs)
-        out = own_code_compiled(forward, module, facts, args, kwargs)
+        out = own_code_compiled(module, facts, args, kwargs)
     else:
         mode.back = False  # the layer's one white-list call keeps its result low
         try:
-            out = own_code_compiled(forward, module, facts, args, kwargs)
+            out = own_code_compiled(module, facts, args, kwargs)
         finally:
             mode.back = True
     if module._forward_hooks or _global_forward_hooks:
@@ -973,7 +1040,7 @@ def static_plan(root: nn.Module, recipe: Recipe) -> CastPlan:
     for path, module, scopes in _walk(root, "", (("", root),)):
         if any(id(m) in inside_unit for _, m in scopes[:-1]):
             continue
-        forward = module.__dict__.get("forward")
+        forward = forward_of(module)
         if isinstance(forward, WhiteForward) and forward.inner is not None:
             forward = forward.inner
         if isinstance(forward, RuntimeForward):
@@ -1002,7 +1069,7 @@ def static_plan(root: nn.Module, recipe: Recipe) -> CastPlan:
                     path, type(module).__name__, "float32", kind=RowKind.RUNTIME, note=reason
                 )
             )
-        op = next((name for cls, name in _MODULE_OPS if type(module) is cls), None)
+        op = next((name for cls, name in _MODULE_OPS if user_class(module) is cls), None)
         if op is None:
             continue
         precision = (

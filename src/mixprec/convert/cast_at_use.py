@@ -67,11 +67,15 @@ from torch.overrides import TorchFunctionMode
 from mixprec._warn import warn
 from mixprec.convert.structure import (
     compiled_facts,
+    converted_class,
+    forward_of,
     hooked_compiled,
     is_current,
     owner,
     register,
+    restore_key,
     torch_forward,
+    user_class,
 )
 from mixprec.policy import lists
 from mixprec.policy.dtypes import _CAST_METHODS, _CASTABLE, dtype_name, is_castable, to_dtype
@@ -337,8 +341,10 @@ class _Facts(NamedTuple):
     :func:`~mixprec.convert.structure.compiled_facts`)."""
 
     key: str  # its module's
-    current: bool  # whether it is still the module's instance ``forward``
+    current: bool  # whether it is still the module's ``forward``
     spec: _Spec
+    kind: str  # :class:`ModuleCall`, by its key
+    forward_key: str  # the ModuleCall's own
 
 
 class LowParameters(dict[str, Any]):
@@ -649,7 +655,7 @@ def _explain_mixed(error: RuntimeError, dtype: torch.dtype, entry: nn.Module) ->
         added = [
             name or "(the entry)"
             for name, module in entry.named_modules()
-            if not isinstance(module.__dict__.get("forward"), ModuleCall)
+            if not isinstance(forward_of(module), ModuleCall)
         ]
         if added:
             note = (
@@ -676,23 +682,23 @@ def _cast_top(value: Any, dtype: torch.dtype, casts: dict[int, torch.Tensor]) ->
 
 
 def _compiled_call(
-    call: ModuleCall, hooked: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+    module: nn.Module,
+    facts: _Facts,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    hooked: bool,
 ) -> Any:
     """A :class:`ModuleCall` under ``torch.compile``: the casts inside the graph, no
     thread-local state and no mode (weights are cast at each read, inside the graph).
 
-    It reads one attribute of ``call`` (its key: one guard) and reaches nothing a second
-    way: its module by :func:`~mixprec.convert.structure.owner` (the root from ``call``:
-    see :func:`~mixprec.convert.runtime.compiled_module`), its decisions by
-    :func:`~mixprec.convert.structure.compiled_facts` (each second path, and each decision
-    read as an attribute, would add a guard checked at every call). A one-call layer's
+    It reads nothing of the ``ModuleCall`` but its ``facts`` (each attribute read, and
+    each second path to an object, would add a guard checked at every call); the module
+    is the caller's. A float32 island under an outer autocast, a module with a
+    ``forward`` of its own and a recurrent layer read the ``ModuleCall`` by its key. A one-call layer's
     weights are read from its ``LowParameters`` as :meth:`ModuleCall._direct` reads them:
     through ``module.weight`` TorchDynamo would trace ``nn.Module.__getattr__`` and the
     table's ``__getitem__``, guarding each step, per module."""
-    facts = compiled_facts(call.forward_key)
     spec = facts.spec
-    # (the root by the frame's own path to it: see structure.owner)
-    module = call.module if spec.root else owner(facts.key)
     if not hooked and (not facts.current or hooked_compiled(module)):
         return nn.Module._call_impl(module, *args, **kwargs)
     if spec.root and spec.cast is not None:
@@ -708,9 +714,9 @@ def _compiled_call(
         else:  # (no tree walk: TorchDynamo would guard each step of it)
             args = tuple(_cast_top(v, dtype, {}) for v in args)
     if spec.float32 and _outer_autocast():
-        out = _without_autocast(call, args, kwargs)
+        out = _without_autocast(owner(facts.forward_key), args, kwargs)
     elif spec.inner or spec.view:  # (a view: its flat weights are set on a per-call view)
-        out = call._plain(args, kwargs)
+        out = owner(facts.forward_key)._plain(args, kwargs)
     else:
         cls = owner(spec.cls)
         forward = cls.forward  # (guarded once per class: a class patched later retraces)
@@ -847,7 +853,9 @@ class ModuleCall:
         #: an ``nn.Linear``, ``nn.Conv1d/2d/3d``, low ``nn.LayerNorm`` or ``nn.Embedding``
         #: running its class's forward (one call,
         #: which :meth:`_direct` makes): ``(class, its forward)``, checked at each call
-        cls = type(module)
+        cls = self.cls = user_class(module)
+        #: the class the module takes (:func:`~mixprec.convert.structure.set_forward`)
+        self.converted = converted_class(cls)
         self.direct = (
             (cls, cls.forward)
             if cls in _ONE_CALL
@@ -868,7 +876,7 @@ class ModuleCall:
             inner=self.inner is not None,
             view=self.special,
             low=self.state.dtype,
-            cls=register(type(self.module)),
+            cls=register(self.cls),
             direct=self._direct_table() is not None,
         )
 
@@ -881,7 +889,7 @@ class ModuleCall:
         cls, forward = self.direct
         params = self.module.__dict__.get("_parameters")
         if (
-            type(self.module) is not cls
+            type(self.module) is not self.converted
             or cls.forward is not forward
             or type(params) is not LowParameters
             or params.kept
@@ -892,44 +900,65 @@ class ModuleCall:
 
     def facts(self) -> _Facts:
         """What a compiled call reads of it (see :func:`_compiled_call`)."""
-        return _Facts(self.key, is_current(self), self._spec())
+        return _Facts(
+            self.key, is_current(self), self._spec(), register(ModuleCall), self.forward_key
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["local"]  # a thread-local cannot be copied: the copy's state has its own
         del state["key"], state["forward_key"]  # (this process's table)
+        del state["converted"]  # (made where it is loaded: a class made at run time)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.key, self.forward_key = register(self.module), register(self)
+        self.converted = converted_class(self.cls)
         self.local = self.state._local
+        restore_key(self.module, self)
+
+    @staticmethod
+    def compiled_call(
+        module: nn.Module,
+        facts: _Facts,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        hooked: bool,
+    ) -> Any:
+        """Under ``torch.compile`` (:func:`_compiled_call`; exporting: the eager call)."""
+        if torch.compiler.is_exporting():
+            forward = owner(facts.forward_key)
+            if hooked:
+                kwargs = {**kwargs, "_mixprec_hooked": True}
+            return forward.call_impl(module, *args, **kwargs)
+        return _compiled_call(module, facts, args, kwargs, hooked)
 
     @property
     def __signature__(self) -> inspect.Signature:
         """The wrapped forward's signature (what ``inspect``, ``generate()``'s argument
         checks and ``torch.export`` see)."""
-        inner = self.inner or functools.partial(type(self.module).forward, self.module)
+        inner = self.inner or functools.partial(self.cls.forward, self.module)
         return inspect.signature(inner)
 
     @property
     def __code__(self) -> types.CodeType:
         """The wrapped forward's code object (``torch.export`` reads its name and place)."""
-        code = getattr(self.inner or type(self.module).forward, "__code__", None)
+        code = getattr(self.inner or self.cls.forward, "__code__", None)
         return code if isinstance(code, types.CodeType) else type(self).__call__.__code__
 
-    def call_impl(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's instance ``_call_impl`` (what ``nn.Module.__call__`` calls): with
-        no hooks on the module (nor global module hooks, nor a TorchScript trace running)
-        and this object still its ``forward``, it does the forward's work itself, one
-        Python frame where ``nn.Module`` takes two; otherwise ``nn.Module._call_impl``
+    def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
+        """A call of ``module`` (what its converted class's ``__call__`` calls): with no
+        hooks on the module (nor global module hooks, nor a TorchScript trace running)
+        and no ``forward`` set on its instance since, it does the forward's work itself,
+        one Python frame where ``nn.Module`` takes two; otherwise ``nn.Module._call_impl``
         runs the hooks around the module's ``forward``."""
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
         if _dynamo_compiling() and not torch.compiler.is_exporting():
-            return _compiled_call(self, hooked, args, kwargs)  # (_tracing, inline)
+            return _compiled_call(module, compiled_facts(self.forward_key), args, kwargs, hooked)
         if not hooked:
-            slots = self.module.__dict__  # (structure.takes_hook_path, inline: the hot call)
+            slots = module.__dict__  # (structure.takes_hook_path, inline: the hot call)
             if (
                 slots["_forward_pre_hooks"]
                 or slots["_forward_hooks"]
@@ -939,10 +968,10 @@ class ModuleCall:
                 or _global_forward_hooks
                 or _global_backward_pre_hooks
                 or _global_backward_hooks
-                or slots.get("forward") is not self
+                or "forward" in slots
                 or torch._C._get_tracing_state()
             ):
-                return nn.Module._call_impl(self.module, *args, **kwargs)
+                return nn.Module._call_impl(module, *args, **kwargs)
         if self.nested:
             frame = self.local.frame
             if frame.depth and not (self.float32 and torch._C._is_any_autocast_enabled()):
@@ -966,7 +995,7 @@ class ModuleCall:
                             pairs = cast_pairs((args, kwargs), (cast_pos, cast_kwargs))
                         args, kwargs = cast_pos, cast_kwargs
                 if self.loss or (
-                    self.buffers_mix and self.module._buffers and _floating(self.module._buffers)
+                    self.buffers_mix and module._buffers and _floating(module._buffers)
                 ):
                     moded = not frame.active  # (its own code under the mode)
                 else:
@@ -977,13 +1006,13 @@ class ModuleCall:
                     self.direct is not None
                     and len(args) == 1
                     and not kwargs
-                    and (out := self._direct(frame, args[0])) is not NotImplemented
+                    and (out := self._direct(module, frame, args[0])) is not NotImplemented
                 ):
                     pass  # (:meth:`_code`, inline: the hot call)
                 elif self.inner is not None:
                     out = self.inner(*args, **kwargs)
                 else:
-                    out = type(self.module).forward(self.module, *args, **kwargs)
+                    out = self.cls.forward(module, *args, **kwargs)
                 if pairs:  # a write into a cast argument goes back to the caller's tensor
                     written_back(pairs)
                 return out
@@ -993,12 +1022,12 @@ class ModuleCall:
         """The module's own code inside a running call: a one-call layer's call
         (:meth:`_direct`) where it applies, else its forward (:meth:`_plain`)."""
         if self.direct is not None and len(args) == 1 and not kwargs:
-            out = self._direct(self.local.frame, args[0])
+            out = self._direct(self.module, self.local.frame, args[0])
             if out is not NotImplemented:
                 return out
         return self._plain(args, kwargs)
 
-    def _direct(self, frame: _Frame, x: Any) -> Any:
+    def _direct(self, module: nn.Module, frame: _Frame, x: Any) -> Any:
         """A one-call layer's forward (``F.linear``, ``_conv_forward``, ``F.layer_norm``,
         ``F.embedding``) inside a running call, its weight and bias read as its own
         ``self.weight`` and ``self.bias`` would read them (cast once per call), with no
@@ -1007,12 +1036,11 @@ class ModuleCall:
         ``forward`` changed since conversion, a weight not in its ``_parameters``: a
         parametrization; names kept as stored, a tensor subclass, no affine weight, a
         weight this call has read already)."""
-        module = self.module
         cls, forward = self.direct  # type: ignore[misc]
         params = module.__dict__["_parameters"]
         embedding = cls is nn.Embedding  # (its one Parameter: no bias)
         if (
-            type(module) is not cls
+            type(module) is not self.converted
             or cls.forward is not forward
             or type(params) is not LowParameters
             or params.kept
@@ -1042,7 +1070,7 @@ class ModuleCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The instance ``forward`` (what ``nn.Module._call_impl`` calls after the hooks,
         and what ``module.forward(...)`` calls)."""
-        return self.call_impl(*args, _mixprec_hooked=True, **kwargs)
+        return self.call_impl(self.module, *args, _mixprec_hooked=True, **kwargs)
 
     def _island_body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """An island inside a running call (with no outer autocast, which the hot path
@@ -1061,7 +1089,7 @@ class ModuleCall:
             # those take the full path)
             if self.inner is not None:
                 return self.inner(*args)
-            return type(self.module).forward(self.module, *args)
+            return self.cls.forward(self.module, *args)
         if not kwargs and len(args) == 1 and type(args[0]) in _TENSOR_TYPES:
             out = self._one_tensor(args[0])  # a norm's call: no tree to walk
         else:
@@ -1198,10 +1226,10 @@ class ModuleCall:
             return self.inner(*args, **kwargs)
         module = self.module
         if isinstance(module, nn.RNNBase) and isinstance(module._parameters, LowParameters):
-            view = type(module).__new__(type(module))
+            view = self.cls.__new__(self.cls)
             view.__dict__.update(module.__dict__)
             module = view  # its _update_flat_weights() writes the view, not the module
-        return type(module).forward(module, *args, **kwargs)
+        return self.cls.forward(module, *args, **kwargs)
 
 
 class LowParameter(NamedTuple):
@@ -1232,7 +1260,7 @@ def low_precision_parameters(converted: nn.Module) -> list[LowParameter]:
     seen = False
     for module in converted.modules():
         table = module.__dict__.get("_parameters")
-        if isinstance(module.__dict__.get("forward"), ModuleCall):
+        if isinstance(forward_of(module), ModuleCall):
             seen = True
         if isinstance(table, LowParameters):
             dtype = table.state.dtype

@@ -50,9 +50,12 @@ from mixprec.convert.plan import CastPlan, Conversion
 from mixprec.convert.runtime import ShowsForward
 from mixprec.convert.structure import (
     CONVERSION_ATTR,
+    HookedCall,
     add_repr_note,
     conversion_of,
+    forward_of,
     set_forward,
+    user_class,
 )
 from mixprec.policy.dtypes import dtype_name
 from mixprec.policy.ops import only_plain_tensors
@@ -340,7 +343,7 @@ class _Emulation:
             mode.__exit__(None, None, None)
 
 
-class _Guarded(ShowsForward):
+class _Guarded(HookedCall, ShowsForward):
     """The root's ``forward``: leaves the emulation mode when the call is interrupted.
 
     It shows the signature of the forward it wraps (``generate()`` reads it to decide
@@ -357,7 +360,7 @@ class _Guarded(ShowsForward):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             if self.inner is None:
-                return type(self.module).forward(self.module, *args, **kwargs)
+                return user_class(self.module).forward(self.module, *args, **kwargs)
             return self.inner(*args, **kwargs)
         except Exception:
             raise
@@ -399,14 +402,15 @@ def install_emulation(network: nn.Module, dtype: torch.dtype) -> nn.Module:
     """
     emulation = _Emulation(dtype)
     for module in network.modules():
-        call = module.__dict__.get("forward")
+        call = forward_of(module)
         if isinstance(call, ModuleCall):  # entered and left in the call's own try/finally
             call.state.emulation = emulation.mode
             continue
         module.register_forward_pre_hook(emulation.enter, prepend=True)
         module.register_forward_hook(emulation.leave, always_call=True)
         if module is network:
-            set_forward(module, _Guarded(emulation, module, module.__dict__.get("forward")))
+            inner = forward_of(module) or module.__dict__.get("forward")
+            set_forward(module, _Guarded(emulation, module, inner))
     conversion = conversion_of(network)
     if isinstance(conversion, Conversion):
         network.__dict__[CONVERSION_ATTR] = dataclasses.replace(

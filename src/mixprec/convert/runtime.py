@@ -33,7 +33,9 @@ from mixprec.convert.structure import (
     is_current,
     owner,
     register,
+    restore_key,
     takes_hook_path,
+    user_class,
 )
 from mixprec.policy.dtypes import _CAST_METHODS, is_castable, to_dtype
 from mixprec.policy.levels import Level, Precision, Recipe
@@ -341,14 +343,14 @@ class ShowsForward:
     def __signature__(self) -> inspect.Signature:
         shown = self.shown()
         if shown is None:
-            shown = functools.partial(type(self.module).forward, self.module)
+            shown = functools.partial(user_class(self.module).forward, self.module)
         return inspect.signature(shown)
 
     @property
     def __code__(self) -> types.CodeType:
         """The shown forward's code object, else (a ``functools.partial``: accelerate's
         hook) the class forward's."""
-        for function in (self.shown(), type(self.module).forward):
+        for function in (self.shown(), user_class(self.module).forward):
             code = getattr(function, "__code__", None)
             if isinstance(code, types.CodeType):
                 return code
@@ -361,7 +363,7 @@ class Facts(NamedTuple):
     attributes, which an eager call reads instead."""
 
     key: str  # the module's
-    current: bool  # whether the forward is still the module's instance ``forward``
+    current: bool  # whether the forward is still the module's ``forward``
     region_key: str  # an O1 forward's region's ("": none)
     root: bool
     as_written: bool
@@ -372,25 +374,17 @@ class Facts(NamedTuple):
     own: bool  # a forward the module held before conversion runs (read from the forward)
     inner: bool  # an O1 white-list forward's ``inner`` runs it
     inputs_low: bool
+    kind: str  # the forward's class, by its key (its ``compiled_call`` makes the call)
+    forward_key: str  # the forward's own (read where a call needs more than these facts)
 
 
-def compiled_module(
-    forward: ForwardBase, facts: Facts, hooked: bool, inside: bool
-) -> tuple[nn.Module, bool]:
-    """Under ``torch.compile``, a converted forward's module, and whether the call must go
-    through ``nn.Module._call_impl`` (hooks, or a forward set since). Inside a call of the
-    model the module is read by its key (its forward's attribute would be a second path to
-    it, guarded as an alias: see :func:`~mixprec.convert.structure.owner`); an entry (the
-    root) reads it from its forward, the path from the compiled frame's own argument, so
-    that every module below is reached by that argument's paths (read by the key, the root
-    would make every path below it global, and each module read by its key again an alias
-    of its path from the root)."""
-    module = owner(facts.key) if inside else forward.module
-    return module, not hooked and (not facts.current or hooked_compiled(module))
+def hook_path_compiled(module: nn.Module, facts: Facts, hooked: bool) -> bool:
+    """Under ``torch.compile``: whether a call of ``module`` must go through
+    ``nn.Module._call_impl`` (hooks, or a forward set since)."""
+    return not hooked and (not facts.current or hooked_compiled(module))
 
 
 def own_code_compiled(
-    forward: ForwardBase,
     module: nn.Module,
     facts: Facts,
     args: tuple[Any, ...],
@@ -400,13 +394,14 @@ def own_code_compiled(
     conversion, else its class's ``forward``, read by the class's key: guarded once per
     class where ``type(module).forward`` is guarded once per module)."""
     if facts.own:
-        return forward.own(*args, **kwargs)  # type: ignore[misc]
+        return owner(facts.forward_key).own(*args, **kwargs)
     return owner(facts.cls).forward(module, *args, **kwargs)
 
 
 class ForwardBase(ShowsForward):
-    """A converted module's ``forward`` (set on the instance); it shows tools the
-    signature and code object of the forward it runs (:class:`ShowsForward`)."""
+    """A converted module's ``forward`` (held by the instance:
+    :func:`~mixprec.convert.structure.set_forward`); it shows tools the signature and
+    code object of the forward it runs (:class:`ShowsForward`)."""
 
     key: str  # the module's key (:func:`~mixprec.convert.structure.owner`)
     forward_key: str  # its own (see :func:`~mixprec.convert.structure.compiled_facts`)
@@ -417,8 +412,9 @@ class ForwardBase(ShowsForward):
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.key, self.forward_key = register(module), register(self)
-        own = module.__dict__.get("forward")
-        self.own = None if isinstance(own, ForwardBase) else own
+        self.own = module.__dict__.get("forward")
+        #: the module's class as the user made it (its ``forward`` is the class's)
+        self.cls = user_class(module)
 
     def shown(self) -> Callable[..., Any] | None:
         return self.own
@@ -431,6 +427,7 @@ class ForwardBase(ShowsForward):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.key, self.forward_key = register(self.module), register(self)
+        restore_key(self.module, self)
 
     def facts(self) -> Facts:
         """What a compiled call reads of it (:class:`Facts`)."""
@@ -443,42 +440,54 @@ class ForwardBase(ShowsForward):
             may_get_nested=getattr(self, "may_get_nested", False),
             relu=getattr(self, "relu", False),
             direct=getattr(self, "direct", None),
-            cls=register(type(self.module)),
+            cls=register(self.cls),
             own=self.own is not None,
             inner=getattr(self, "inner", None) is not None,
             inputs_low=getattr(self, "inputs_low", False),
+            kind=register(type(self)),
+            forward_key=self.forward_key,
         )
 
-    def entry(self, hooked: bool) -> tuple[nn.Module, Facts | ForwardBase, bool]:
-        """A call's start: the module, what the call reads of this forward (its
-        :class:`Facts` under ``torch.compile``, else the forward itself), and whether the
-        call must go through ``nn.Module._call_impl`` (hooks, or a forward set since). The
-        hot forwards (O1's, the autocast level's) make these steps inline."""
+    def entry(self, module: nn.Module, hooked: bool) -> tuple[Facts | ForwardBase, bool]:
+        """A call's start: what the call reads of this forward (its :class:`Facts` under
+        ``torch.compile``, else the forward itself), and whether the call must go through
+        ``nn.Module._call_impl`` (hooks, or a forward set since). The hot forwards (O1's,
+        the autocast level's) make these steps inline."""
         if _dynamo_compiling():
-            return self.compiled(hooked)
-        module = self.module
-        return module, self, not hooked and takes_hook_path(module, self)
+            facts = compiled_facts(self.forward_key)
+            return facts, hook_path_compiled(module, facts, hooked)
+        return self, not hooked and takes_hook_path(module, self)
 
-    def compiled(self, hooked: bool) -> tuple[nn.Module, Facts, bool]:
-        """Under ``torch.compile``: the module (by its key: its own attribute would be a
-        second path to it, guarded as an alias), this forward's facts, and whether the
-        call must go through ``nn.Module._call_impl`` (hooks, or a forward set since)."""
-        facts = compiled_facts(self.forward_key)
-        module, hook_path = compiled_module(self, facts, hooked, inside=True)
-        return module, facts, hook_path
+    @staticmethod
+    def compiled_call(
+        module: nn.Module,
+        facts: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        hooked: bool,
+    ) -> Any:
+        """Under ``torch.compile``: a call of ``module`` (what its class's ``__call__``
+        makes, from its forward's ``facts``). Here the forward's own ``call_impl``, read
+        by its key; the hot forwards read their facts alone."""
+        forward = owner(facts.forward_key)
+        if hooked:
+            kwargs = {**kwargs, "_mixprec_hooked": True}
+        return forward.call_impl(module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The instance ``forward`` (what ``nn.Module._call_impl`` calls after the hooks,
-        and what ``module.forward(...)`` calls)."""
-        return self.call_impl(*args, _mixprec_hooked=True, **kwargs)
+        """``module.forward`` (what ``nn.Module._call_impl`` calls after the hooks, and
+        what ``module.forward(...)`` calls)."""
+        return self.call_impl(self.module, *args, _mixprec_hooked=True, **kwargs)
 
-    def call_impl(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's instance ``_call_impl`` (what ``nn.Module.__call__`` calls): with
-        no hooks it does the forward's work itself, as many Python frames as the
-        original's call; with hooks ``nn.Module._call_impl`` runs them around
-        :meth:`__call__`, which passes ``_mixprec_hooked=True`` (a keyword, not a
-        parameter with a default: TorchDynamo guards a default it reads, once per module).
-        Each converted forward's work is here."""
+    def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
+        """A call of ``module`` (what its converted class's ``__call__`` calls): with no
+        hooks it does the forward's work itself, as many Python frames as the original's
+        call; with hooks ``nn.Module._call_impl`` runs them around :meth:`__call__`, which
+        passes ``_mixprec_hooked=True`` (a keyword, not a parameter with a default:
+        TorchDynamo guards a default it reads, once per module). Each converted forward's
+        work is here. ``module`` is the caller's (under ``torch.compile`` the path it was
+        reached by: read from this object it would be a second path, guarded as an
+        alias)."""
         raise NotImplementedError
 
 
@@ -512,16 +521,16 @@ class RuntimeForward(ForwardBase):
         super().__setstate__(state)
         self.table, self.default = decision_table(self.recipe, self.scopes, self.force)
 
-    def call_impl(self, *args: Any, **kwargs: Any) -> Any:
+    def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
-        module, _, hook_path = self.entry(hooked)
+        _, hook_path = self.entry(module, hooked)
         if hook_path:
             return nn.Module._call_impl(module, *args, **kwargs)
         if any_nested(args, kwargs):  # only a built-in fast path makes these: run as written
             with standing_aside():
                 return (
-                    type(module).forward(module, *args, **kwargs)
+                    self.cls.forward(module, *args, **kwargs)
                     if self.own is None
                     else self.own(*args, **kwargs)
                 )
@@ -531,7 +540,7 @@ class RuntimeForward(ForwardBase):
             running.table, running.default, running.back = self.table, self.default, self.back
             try:
                 out = (
-                    type(module).forward(module, *args, **kwargs)
+                    self.cls.forward(module, *args, **kwargs)
                     if self.own is None
                     else self.own(*args, **kwargs)
                 )
@@ -541,7 +550,7 @@ class RuntimeForward(ForwardBase):
             mode = RuntimeListMode(self.table, self.default, self.dtype, self.back)
             with standing_aside(), mode:
                 out = (
-                    type(module).forward(module, *args, **kwargs)
+                    self.cls.forward(module, *args, **kwargs)
                     if self.own is None
                     else self.own(*args, **kwargs)
                 )

@@ -18,25 +18,32 @@ import functools
 import itertools
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.compiler import is_dynamo_compiling as _dynamo_compiling
 from torch.nn.modules import module as module_hooks
 
 __all__ = [
     "CONVERSION_ATTR",
+    "FORWARD_SLOT",
     "ExtraRepr",
+    "HookedCall",
     "add_repr_note",
     "conversion_of",
+    "converted_class",
     "find_converted",
+    "forward_of",
     "owner",
     "qualified_name",
     "register",
+    "restore_key",
     "set_forward",
     "set_parameters",
     "structural_copy",
+    "user_class",
 ]
 
 #: The attribute a converted module carries (a :class:`mixprec.convert.plan.Conversion`).
@@ -100,7 +107,7 @@ class ExtraRepr:
     ) -> None:
         self.module = module
         self.notes: list[str] = [text] if text else []
-        self.cls = type(module) if cls is None else cls
+        self.cls = user_class(module) if cls is None else cls
 
     def __call__(self) -> str:
         try:
@@ -119,21 +126,154 @@ def add_repr_note(module: nn.Module, note: str) -> None:
     current.notes.append(note)
 
 
-def set_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
-    """Make ``forward`` the module's instance ``forward`` (it wraps whatever it read
-    from ``module.__dict__`` before).
+#: The instance attribute that holds a converted module's forward object (see
+#: :func:`set_forward`); ``module.forward`` reads it.
+FORWARD_SLOT = "_mixprec_forward"
+#: The instance attribute that holds its forward object's key (what a compiled call
+#: reads: one guard, where the object would be guarded by type and by each attribute)
+KEY_SLOT = "_mixprec_key"
 
-    A forward with a ``call_impl`` (a call of the module that, when it has no hooks, runs
-    the forward's work itself) also becomes the module's instance ``_call_impl``, which
-    ``nn.Module.__call__`` calls: a converted call then takes as many Python frames as the
-    original's. Any other forward set later removes it, so it never bypasses a wrapper.
-    """
-    module.__dict__["forward"] = forward
-    fast = getattr(forward, "call_impl", None)
-    if fast is not None:
-        module.__dict__["_call_impl"] = fast
+
+class _ConvertedForward:
+    """The ``forward`` of a converted class: on a module, the converted forward object it
+    holds (:data:`FORWARD_SLOT`); on the class, the user's class's ``forward``, read at
+    each access (so ``type(module).forward`` is what it is on the original, patches
+    included). A non-data descriptor: a ``forward`` set on the instance since conversion
+    (a monkeypatch) takes precedence, as it would on the original."""
+
+    def __get__(self, module: nn.Module | None, cls: type | None = None) -> Any:
+        if module is None:
+            return cls._mixprec_user_class.forward  # type: ignore[union-attr]
+        return module.__dict__[FORWARD_SLOT]
+
+
+def _converted_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``__call__`` of a converted class (in place of ``nn.Module.__call__``, which it
+    does with its own ``_call_impl``): the module's forward object makes the call, hooks
+    included (its ``call_impl``). As many Python frames as the original's call.
+
+    Under ``torch.compile`` the call reads the forward's key (:data:`KEY_SLOT`) and its
+    class's ``compiled_call`` makes it from the forward's facts
+    (:func:`compiled_facts`), so that TorchDynamo guards one string per module."""
+    slots = self.__dict__
+    if _dynamo_compiling():
+        key = slots.get(KEY_SLOT)
+        if key is not None:
+            facts = compiled_facts(key)
+            return owner(facts.kind).compiled_call(self, facts, args, kwargs, False)
+    elif self._compiled_call_impl is not None:  # (``module.compile()``)
+        return self._compiled_call_impl(*args, **kwargs)
+    return slots[FORWARD_SLOT].call_impl(self, *args, **kwargs)
+
+
+def _converted_reduce_ex(self: nn.Module, protocol: Any) -> Any:
+    """Pickle and ``copy.deepcopy`` a converted module as its user's class (the converted
+    class is made again, by :func:`converted_class`, where it is loaded; the forward's
+    key is this process's: :func:`restore_key`)."""
+    state = self.__getstate__()
+    state.pop(KEY_SLOT, None)
+    return (_rebuilt, (type(self)._mixprec_user_class,), state)  # type: ignore[attr-defined]
+
+
+def _converted_setstate(self: nn.Module, state: dict[str, Any]) -> None:
+    type(self)._mixprec_user_class.__setstate__(self, state)  # type: ignore[attr-defined]
+    forward = self.__dict__.get(FORWARD_SLOT)
+    if forward is not None:
+        restore_key(self, forward)
+
+
+def restore_key(module: nn.Module, forward: Any) -> None:
+    """After a copy or an unpickling: the module's :data:`KEY_SLOT`, when ``forward`` is
+    its forward and has its key (either is restored first; each calls this)."""
+    key = getattr(forward, "forward_key", None)
+    if key is not None and module.__dict__.get(FORWARD_SLOT) is forward:
+        module.__dict__[KEY_SLOT] = key
+
+
+def _rebuilt(cls: type[nn.Module]) -> nn.Module:
+    """An empty converted module of the user's class ``cls`` (its state is set next)."""
+    new = cls.__new__(cls)
+    new.__class__ = converted_class(cls)
+    return new
+
+
+_CONVERTED: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+
+
+def converted_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The class of a converted module of class ``cls``: a subclass of ``cls`` of the
+    same name, module and qualified name, one per class, whose ``forward`` is the
+    module's forward object and whose calls that object makes.
+
+    A conversion's per-module state lives on the instance (:data:`FORWARD_SLOT`), its
+    code on this class: TorchDynamo guards a module's class once, where every instance
+    slot (a ``forward``, a ``_call_impl``) would be guarded per module, at each call of a
+    compiled model. ``isinstance(converted, cls)`` holds; ``type(converted)`` is this
+    class (as it is a class of its own for a module sharded by FSDP2's ``fully_shard``).
+    A class with a ``__call__`` of its own keeps it; its modules' ``_call_impl`` is
+    their forward object's (an instance slot)."""
+    converted = _CONVERTED.get(cls)
+    if converted is None:
+        body: dict[str, Any] = {
+            "forward": _ConvertedForward(),
+            "__reduce_ex__": _converted_reduce_ex,
+            "__setstate__": _converted_setstate,
+            "_mixprec_user_class": cls,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+        }
+        if cls.__call__ is nn.Module.__call__:
+            body["__call__"] = _converted_call
+        converted = types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(body))
+        for name, value in body.items():  # (what a base's ``__init_subclass__`` rewrote:
+            setattr(converted, name, value)  # transformers' layers wrap ``forward``)
+        _CONVERTED[cls] = converted
+    return converted
+
+
+def user_class(module: nn.Module) -> type[nn.Module]:
+    """The class of ``module`` as the user made it (a converted module's class is a
+    subclass of it: :func:`converted_class`)."""
+    cls = type(module)
+    return getattr(cls, "_mixprec_user_class", cls)
+
+
+def forward_of(module: nn.Module) -> Any:
+    """The converted forward object ``module`` holds (None: not converted)."""
+    return module.__dict__.get(FORWARD_SLOT)
+
+
+class HookedCall:
+    """A converted forward whose calls take ``nn.Module._call_impl`` (hooks, then the
+    module's ``forward``: this object's ``__call__``)."""
+
+    def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
+        return nn.Module._call_impl(module, *args, **kwargs)
+
+
+def set_forward(module: nn.Module, forward: Any) -> None:
+    """Make ``forward`` (an object with ``call_impl(module, /, *args, **kwargs)``, which
+    makes a call of the module, hooks included) the module's ``forward``; it wraps the one
+    it read before (:func:`forward_of`, else an instance ``forward`` the module held,
+    which it runs in place of the class's: that slot is emptied, so ``module.forward`` is
+    the converted one). The module takes its :func:`converted_class`."""
+    slots = module.__dict__
+    slots[FORWARD_SLOT] = forward
+    key = getattr(forward, "forward_key", None)
+    if key is not None and hasattr(type(forward), "compiled_call"):
+        slots[KEY_SLOT] = key
     else:
-        module.__dict__.pop("_call_impl", None)
+        slots.pop(KEY_SLOT, None)
+    slots.pop("forward", None)
+    cls = type(module)
+    if getattr(cls, "_mixprec_user_class", None) is None:
+        module.__class__ = cls = converted_class(cls)
+    if "__call__" not in cls.__dict__ and cls.__call__ is not _converted_call:
+        # (a class with a ``__call__`` of its own: ``nn.Module.__call__`` reads this)
+        slots["_call_impl"] = functools.partial(forward.call_impl, module)
+    else:
+        slots.pop("_call_impl", None)
 
 
 #: key -> a weak reference to an object a converted forward reads (see :func:`owner`), as
@@ -203,7 +343,8 @@ def compiled_facts(forward_key: str) -> Any:
 def is_current(forward: Any) -> bool:
     """Whether ``forward`` (a converted forward) is still its module's instance
     ``forward`` (see :func:`compiled_facts`)."""
-    return owner(forward.key).__dict__.get("forward") is forward
+    slots = owner(forward.key).__dict__
+    return slots.get(FORWARD_SLOT) is forward and "forward" not in slots
 
 
 def torch_forward(cls: type[nn.Module]) -> bool:
@@ -221,8 +362,8 @@ def torch_forward(cls: type[nn.Module]) -> bool:
 def takes_hook_path(module: nn.Module, forward: object) -> bool:
     """Whether a call of ``module`` (converted, its ``forward`` the object ``forward``)
     must go through ``nn.Module._call_impl``, outside ``torch.compile``: hooks on it,
-    global module hooks, a TorchScript trace running, or a ``forward`` set on it since
-    (which then runs). Under ``torch.compile``: :func:`hooked_compiled` and the
+    global module hooks, a TorchScript trace running, or a ``forward`` set on its
+    instance since (which then runs). Under ``torch.compile``: :func:`hooked_compiled` and the
     ``current`` of :func:`compiled_facts`."""
     slots = module.__dict__  # (read directly: a module's attribute lookup takes longer)
     return bool(
@@ -234,7 +375,7 @@ def takes_hook_path(module: nn.Module, forward: object) -> bool:
         or module_hooks._global_forward_hooks
         or module_hooks._global_backward_pre_hooks
         or module_hooks._global_backward_hooks
-        or slots.get("forward") is not forward
+        or "forward" in slots
         or torch._C._get_tracing_state()
     )
 

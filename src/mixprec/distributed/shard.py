@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from mixprec._check import require_module
-from mixprec.convert.structure import set_forward
+from mixprec.convert.structure import HookedCall, set_forward, user_class
 from mixprec.fp8.swap import apply_fp8
 from mixprec.policy import lists
 from mixprec.policy.dtypes import dtype_name
@@ -90,7 +90,7 @@ def sharded_level(network: nn.Module) -> ShardedLevel | None:
     return found if isinstance(found, ShardedLevel) else None
 
 
-class _AutocastForward:
+class _AutocastForward(HookedCall):
     """A forward that runs the module's own under ``torch.autocast`` (set on the instance)."""
 
     def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
@@ -100,7 +100,7 @@ class _AutocastForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with torch.autocast(self.device_type, dtype=self.dtype):
-            return type(self.module).forward(self.module, *args, **kwargs)
+            return user_class(self.module).forward(self.module, *args, **kwargs)
 
 
 def _policy(**kwargs: Any) -> Any:

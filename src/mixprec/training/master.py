@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from mixprec.convert.cast_at_use import CastState, low_precision_parameters
+from mixprec.convert.structure import forward_of
 from mixprec.training.grads import _NoGrad
 
 __all__ = ["LowParameter", "MasterWeights"]
@@ -153,7 +154,7 @@ class MasterWeights:
         masters = cls(pairs, masters_are_stepped=masters_are_stepped)
         masters._hook_loading(slots, {id(low): master for master, low in pairs})
         converted.register_forward_pre_hook(masters._sync_hook)  # every entry sees the truth
-        call = converted.__dict__.get("forward")
+        call = forward_of(converted)
         state = getattr(call, "state", None)
         if isinstance(state, CastState):
             state.on_direct_call = masters.sync  # a submodule called directly, too
