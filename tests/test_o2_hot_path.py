@@ -658,7 +658,9 @@ def test_an_embedding_renormed_in_its_call_writes_its_weight_as_its_forward_does
     results = []
     for direct in (True, False):
         if not direct:
-            monkeypatch.setattr(ModuleCall, "_direct", lambda self, module, frame, x: NotImplemented)
+            monkeypatch.setattr(
+                ModuleCall, "_direct", lambda self, module, frame, x: NotImplemented
+            )
         converted = amp.auto_mixed_precision(make(), level, torch.bfloat16)
         with torch.no_grad():
             out = converted(ids)

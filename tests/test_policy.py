@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from mixprec.convert.structure import user_class
 import mixprec
 from mixprec.convert.declared import with_declared_pins
+from mixprec.convert.structure import user_class
 from mixprec.policy.levels import Precision, Recipe, resolve
 
 L, F, W = Precision.LOW, Precision.FP32, Precision.FOLLOW

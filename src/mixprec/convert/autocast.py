@@ -83,7 +83,6 @@ from mixprec.convert.runtime import (
 from mixprec.convert.structure import (
     CONVERSION_ATTR,
     add_repr_note,
-    compiled_facts,
     forward_of,
     owner,
     qualified_name,
@@ -198,9 +197,6 @@ class AutocastForward(ForwardBase):
     def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
-        if _dynamo_compiling():
-            facts = compiled_facts(self.forward_key)
-            return self.compiled_call(module, facts, args, kwargs, hooked)
         if not hooked and takes_hook_path(module, self):
             return nn.Module._call_impl(module, *args, **kwargs)
         if (
@@ -493,9 +489,6 @@ class ListedForward(InRegion):
     def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
-        if _dynamo_compiling():
-            facts = compiled_facts(self.forward_key)
-            return self.compiled_call(module, facts, args, kwargs, hooked)
         region = self.region
         slots = module.__dict__  # (takes_hook_path, inline: the hot call)
         if not hooked and (
@@ -627,9 +620,6 @@ class WhiteForward(InRegion):
     def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
-        if _dynamo_compiling():
-            facts = compiled_facts(self.forward_key)
-            return self.compiled_call(module, facts, args, kwargs, hooked)
         region = self.region
         if not hooked:
             slots = module.__dict__  # (takes_hook_path, inline: the hot call)

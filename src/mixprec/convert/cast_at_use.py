@@ -955,8 +955,6 @@ class ModuleCall:
         runs the hooks around the module's ``forward``."""
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
-        if _dynamo_compiling() and not torch.compiler.is_exporting():
-            return _compiled_call(module, compiled_facts(self.forward_key), args, kwargs, hooked)
         if not hooked:
             slots = module.__dict__  # (structure.takes_hook_path, inline: the hot call)
             if (
@@ -1070,6 +1068,9 @@ class ModuleCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The instance ``forward`` (what ``nn.Module._call_impl`` calls after the hooks,
         and what ``module.forward(...)`` calls)."""
+        if _dynamo_compiling():
+            facts = compiled_facts(self.forward_key)
+            return self.compiled_call(self.module, facts, args, kwargs, True)
         return self.call_impl(self.module, *args, _mixprec_hooked=True, **kwargs)
 
     def _island_body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

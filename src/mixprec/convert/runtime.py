@@ -477,6 +477,9 @@ class ForwardBase(ShowsForward):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``module.forward`` (what ``nn.Module._call_impl`` calls after the hooks, and
         what ``module.forward(...)`` calls)."""
+        if _dynamo_compiling():
+            facts = compiled_facts(self.forward_key)
+            return type(self).compiled_call(self.module, facts, args, kwargs, True)
         return self.call_impl(self.module, *args, _mixprec_hooked=True, **kwargs)
 
     def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
@@ -485,9 +488,10 @@ class ForwardBase(ShowsForward):
         call; with hooks ``nn.Module._call_impl`` runs them around :meth:`__call__`, which
         passes ``_mixprec_hooked=True`` (a keyword, not a parameter with a default:
         TorchDynamo guards a default it reads, once per module). Each converted forward's
-        work is here. ``module`` is the caller's (under ``torch.compile`` the path it was
-        reached by: read from this object it would be a second path, guarded as an
-        alias)."""
+        work is here; under ``torch.compile`` the callers call :meth:`compiled_call`
+        instead (which the hot forwards keep apart: its facts are constants, where this
+        object's attributes would each be guarded). ``module`` is the caller's (read from
+        this object it would be a second path to it)."""
         raise NotImplementedError
 
 

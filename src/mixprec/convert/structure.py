@@ -271,7 +271,7 @@ def set_forward(module: nn.Module, forward: Any) -> None:
         module.__class__ = cls = converted_class(cls)
     if "__call__" not in cls.__dict__ and cls.__call__ is not _converted_call:
         # (a class with a ``__call__`` of its own: ``nn.Module.__call__`` reads this)
-        slots["_call_impl"] = functools.partial(forward.call_impl, module)
+        slots["_call_impl"] = functools.partial(_converted_call, module)
     else:
         slots.pop("_call_impl", None)
 
