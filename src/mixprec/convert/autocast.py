@@ -75,6 +75,7 @@ from mixprec.convert.runtime import (
     RuntimeForward,
     RuntimeListMode,
     any_nested,
+    called,
     decision_table,
     hook_path_compiled,
     own_code_compiled,
@@ -221,6 +222,7 @@ class AutocastForward(ForwardBase):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         hooked: bool,
+        forward: ForwardBase | None = None,
     ) -> Any:
         if hook_path_compiled(module, facts, hooked):
             return nn.Module._call_impl(module, *args, **kwargs)
@@ -230,8 +232,8 @@ class AutocastForward(ForwardBase):
             and not facts.as_written
             and not (facts.may_get_nested and any_nested(args, kwargs))
         ):  # inside the model (below, as in eager): its own code, read by its facts
-            return own_code_compiled(module, facts, args, kwargs)
-        return owner(facts.forward_key)._enter(module, facts, args, kwargs)
+            return own_code_compiled(module, facts, args, kwargs, forward)
+        return called(module, forward)._enter(module, facts, args, kwargs)
 
     def _enter(
         self,
@@ -535,6 +537,7 @@ class ListedForward(InRegion):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         hooked: bool,
+        forward: ForwardBase | None = None,
     ) -> Any:
         region = owner(facts.region_key)
         if hook_path_compiled(module, facts, hooked):
@@ -544,8 +547,8 @@ class ListedForward(InRegion):
             and not facts.as_written
             and not (facts.may_get_nested and any_nested(args, kwargs))
         ):  # inside the model (below, as in eager; the mode applies the list)
-            return own_code_compiled(module, facts, args, kwargs)
-        return owner(facts.forward_key)._enter(module, region, facts, args, kwargs)
+            return own_code_compiled(module, facts, args, kwargs, forward)
+        return called(module, forward)._enter(module, region, facts, args, kwargs)
 
     def _enter(
         self,
@@ -661,14 +664,15 @@ class WhiteForward(InRegion):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         hooked: bool,
+        forward: ForwardBase | None = None,
     ) -> Any:
         region = owner(facts.region_key)
         if hook_path_compiled(module, facts, hooked):
             return nn.Module._call_impl(module, *args, **kwargs)
         running = region.local.mode
         if region.local.depth and running is not None:
-            return _white_compiled(module, facts, region, running, args, kwargs)
-        return owner(facts.forward_key)._call(module, region, args, kwargs)
+            return _white_compiled(module, facts, region, running, args, kwargs, forward)
+        return called(module, forward)._call(module, region, args, kwargs)
 
     def _call(
         self, module: nn.Module, region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -790,20 +794,21 @@ def _white_compiled(
     mode: RuntimeListMode,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    forward: Any = None,
 ) -> Any:
     """A :class:`WhiteForward` inside the model under ``torch.compile`` (no hooks): what
     its ``_run`` and ``_finish`` do there, its decisions read from ``facts`` (an attribute
     of the forward read in the traced code is a guard per module, and its region a second
     path to the region, guarded as an alias in Python)."""
     if facts.inner:
-        out = owner(facts.forward_key).inner(*args, **kwargs)
+        out = called(module, forward).inner(*args, **kwargs)
     elif facts.inputs_low:
         args, kwargs = _inputs_down(mode, region.recipe.dtype, args, kwargs)
-        out = own_code_compiled(module, facts, args, kwargs)
+        out = own_code_compiled(module, facts, args, kwargs, forward)
     else:
         mode.back = False  # the layer's one white-list call keeps its result low
         try:
-            out = own_code_compiled(module, facts, args, kwargs)
+            out = own_code_compiled(module, facts, args, kwargs, forward)
         finally:
             mode.back = True
     if module._forward_hooks or _global_forward_hooks:

@@ -68,9 +68,10 @@ from mixprec._warn import warn
 from mixprec.convert.structure import (
     compiled_facts,
     converted_class,
+    facts_key,
+    forward_facts,
     forward_of,
     hooked_compiled,
-    is_current,
     owner,
     register,
     restore_key,
@@ -332,19 +333,18 @@ class _Spec(NamedTuple):
     cls: str
     #: a one-call layer whose weights a compiled call reads as :meth:`ModuleCall._direct`
     #: does (from its ``LowParameters``, with no names kept: not through ``module.weight``,
-    #: whose traced lookup TorchDynamo guards step by step, per module)
+    #: whose traced lookup TorchDynamo guards step by step, per module), while the module
+    #: is of its converted class (by its key: FSDP2's ``fully_shard`` makes another)
     direct: bool
+    converted: str
 
 
 class _Facts(NamedTuple):
     """What a compiled call of a :class:`ModuleCall` reads of it, as constants (see
     :func:`~mixprec.convert.structure.compiled_facts`)."""
 
-    key: str  # its module's
-    current: bool  # whether it is still the module's ``forward``
     spec: _Spec
     kind: str  # :class:`ModuleCall`, by its key
-    forward_key: str  # the ModuleCall's own
 
 
 class LowParameters(dict[str, Any]):
@@ -362,7 +362,8 @@ class LowParameters(dict[str, Any]):
         self.state = state
         self.dtype = state.dtype
         self.local = state._local
-        self.key = register(self)  # (what a compiled read reads it by: see facts)
+        #: what a compiled read reads it by (see :meth:`facts`)
+        self.facts_key = facts_key(self.facts())
 
     def __getstate__(self) -> dict[str, Any]:
         return {"kept": self.kept, "state": self.state}  # (a thread-local is not copied)
@@ -371,7 +372,7 @@ class LowParameters(dict[str, Any]):
         self.__dict__.update(state)
         self.dtype = self.state.dtype
         self.local = self.state._local
-        self.key = register(self)
+        self.facts_key = facts_key(self.facts())
 
     def facts(self) -> tuple[tuple[str, ...], torch.dtype]:
         """What a compiled read takes as constants
@@ -390,7 +391,7 @@ class LowParameters(dict[str, Any]):
                 if name in self.kept or frame is None:
                     return value
                 return self.state.low(value, frame)
-            kept, dtype = compiled_facts(self.key)
+            kept, dtype = compiled_facts(self.facts_key)
             if name in kept or not is_castable(value):
                 return value
             return to_dtype(value, dtype)
@@ -687,6 +688,7 @@ def _compiled_call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     hooked: bool,
+    call: ModuleCall | None,
 ) -> Any:
     """A :class:`ModuleCall` under ``torch.compile``: the casts inside the graph, no
     thread-local state and no mode (weights are cast at each read, inside the graph).
@@ -699,7 +701,7 @@ def _compiled_call(
     through ``module.weight`` TorchDynamo would trace ``nn.Module.__getattr__`` and the
     table's ``__getitem__``, guarding each step, per module."""
     spec = facts.spec
-    if not hooked and (not facts.current or hooked_compiled(module)):
+    if not hooked and ("forward" in module.__dict__ or hooked_compiled(module)):
         return nn.Module._call_impl(module, *args, **kwargs)
     if spec.root and spec.cast is not None:
         dtype = spec.cast
@@ -714,13 +716,19 @@ def _compiled_call(
         else:  # (no tree walk: TorchDynamo would guard each step of it)
             args = tuple(_cast_top(v, dtype, {}) for v in args)
     if spec.float32 and _outer_autocast():
-        out = _without_autocast(owner(facts.forward_key), args, kwargs)
+        out = _without_autocast(_called(module, call), args, kwargs)
     elif spec.inner or spec.view:  # (a view: its flat weights are set on a per-call view)
-        out = owner(facts.forward_key)._plain(args, kwargs)
+        out = _called(module, call)._plain(args, kwargs)
     else:
         cls = owner(spec.cls)
         forward = cls.forward  # (guarded once per class: a class patched later retraces)
-        if spec.direct and len(args) == 1 and not kwargs and forward is _TORCH_FORWARDS[cls]:
+        if (
+            spec.direct
+            and len(args) == 1
+            and not kwargs
+            and forward is _TORCH_FORWARDS[cls]
+            and type(module) is owner(spec.converted)
+        ):
             # (its forward's one call)
             params = module.__dict__["_parameters"]
             weight = dict.__getitem__(params, "weight")
@@ -735,6 +743,12 @@ def _compiled_call(
         else:
             out = forward(module, *args, **kwargs)
     return out if spec.output is None else cast_tree(out, spec.output)
+
+
+def _called(module: nn.Module, call: ModuleCall | None) -> ModuleCall:
+    """Under ``torch.compile``: the ``ModuleCall`` a call runs (``call``, else the
+    module's own), where a call needs more of it than its facts."""
+    return forward_of(module) if call is None else call
 
 
 def _one_call(
@@ -877,6 +891,7 @@ class ModuleCall:
             view=self.special,
             low=self.state.dtype,
             cls=register(self.cls),
+            converted=register(self.converted),
             direct=self._direct_table() is not None,
         )
 
@@ -900,9 +915,7 @@ class ModuleCall:
 
     def facts(self) -> _Facts:
         """What a compiled call reads of it (see :func:`_compiled_call`)."""
-        return _Facts(
-            self.key, is_current(self), self._spec(), register(ModuleCall), self.forward_key
-        )
+        return _Facts(self._spec(), register(ModuleCall))
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -925,14 +938,15 @@ class ModuleCall:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         hooked: bool,
+        call: ModuleCall | None = None,
     ) -> Any:
         """Under ``torch.compile`` (:func:`_compiled_call`; exporting: the eager call)."""
         if torch.compiler.is_exporting():
-            forward = owner(facts.forward_key)
+            forward = _called(module, call)
             if hooked:
                 kwargs = {**kwargs, "_mixprec_hooked": True}
             return forward.call_impl(module, *args, **kwargs)
-        return _compiled_call(module, facts, args, kwargs, hooked)
+        return _compiled_call(module, facts, args, kwargs, hooked, call)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -1069,8 +1083,8 @@ class ModuleCall:
         """The instance ``forward`` (what ``nn.Module._call_impl`` calls after the hooks,
         and what ``module.forward(...)`` calls)."""
         if _dynamo_compiling():
-            facts = compiled_facts(self.forward_key)
-            return self.compiled_call(self.module, facts, args, kwargs, True)
+            facts = forward_facts(self.forward_key)
+            return self.compiled_call(self.module, facts, args, kwargs, True, self)
         return self.call_impl(self.module, *args, _mixprec_hooked=True, **kwargs)
 
     def _island_body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

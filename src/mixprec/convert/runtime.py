@@ -28,9 +28,9 @@ from torch.overrides import TorchFunctionMode, get_overridable_functions
 
 from mixprec.convert import dispatch
 from mixprec.convert.structure import (
-    compiled_facts,
+    FORWARD_SLOT,
+    forward_facts,
     hooked_compiled,
-    is_current,
     owner,
     register,
     restore_key,
@@ -362,8 +362,6 @@ class Facts(NamedTuple):
     :func:`~mixprec.convert.structure.compiled_facts`); the names are the forward's own
     attributes, which an eager call reads instead."""
 
-    key: str  # the module's
-    current: bool  # whether the forward is still the module's ``forward``
     region_key: str  # an O1 forward's region's ("": none)
     root: bool
     as_written: bool
@@ -375,13 +373,19 @@ class Facts(NamedTuple):
     inner: bool  # an O1 white-list forward's ``inner`` runs it
     inputs_low: bool
     kind: str  # the forward's class, by its key (its ``compiled_call`` makes the call)
-    forward_key: str  # the forward's own (read where a call needs more than these facts)
 
 
 def hook_path_compiled(module: nn.Module, facts: Facts, hooked: bool) -> bool:
     """Under ``torch.compile``: whether a call of ``module`` must go through
-    ``nn.Module._call_impl`` (hooks, or a forward set since)."""
-    return not hooked and (not facts.current or hooked_compiled(module))
+    ``nn.Module._call_impl`` (hooks, or a ``forward`` set on its instance since)."""
+    return not hooked and ("forward" in module.__dict__ or hooked_compiled(module))
+
+
+def called(module: nn.Module, forward: Any = None) -> Any:
+    """Under ``torch.compile``: the forward a call runs (``forward``, else the module's
+    own), where a call needs more of it than its facts (the root's entry, a forward of
+    the instance's own)."""
+    return module.__dict__[FORWARD_SLOT] if forward is None else forward
 
 
 def own_code_compiled(
@@ -389,12 +393,13 @@ def own_code_compiled(
     facts: Facts,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    forward: ForwardBase | None = None,
 ) -> Any:
     """Under ``torch.compile``: the module's own code (the forward it held before
     conversion, else its class's ``forward``, read by the class's key: guarded once per
     class where ``type(module).forward`` is guarded once per module)."""
     if facts.own:
-        return owner(facts.forward_key).own(*args, **kwargs)
+        return called(module, forward).own(*args, **kwargs)
     return owner(facts.cls).forward(module, *args, **kwargs)
 
 
@@ -432,8 +437,6 @@ class ForwardBase(ShowsForward):
     def facts(self) -> Facts:
         """What a compiled call reads of it (:class:`Facts`)."""
         return Facts(
-            key=self.key,
-            current=is_current(self),
             region_key=getattr(self, "region_key", ""),
             root=getattr(self, "root", False),
             as_written=getattr(self, "as_written", False),
@@ -445,7 +448,6 @@ class ForwardBase(ShowsForward):
             inner=getattr(self, "inner", None) is not None,
             inputs_low=getattr(self, "inputs_low", False),
             kind=register(type(self)),
-            forward_key=self.forward_key,
         )
 
     def entry(self, module: nn.Module, hooked: bool) -> tuple[Facts | ForwardBase, bool]:
@@ -454,7 +456,7 @@ class ForwardBase(ShowsForward):
         ``nn.Module._call_impl`` (hooks, or a forward set since). The hot forwards (O1's,
         the autocast level's) make these steps inline."""
         if _dynamo_compiling():
-            facts = compiled_facts(self.forward_key)
+            facts = forward_facts(self.forward_key)
             return facts, hook_path_compiled(module, facts, hooked)
         return self, not hooked and takes_hook_path(module, self)
 
@@ -465,11 +467,13 @@ class ForwardBase(ShowsForward):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         hooked: bool,
+        forward: ForwardBase | None = None,
     ) -> Any:
         """Under ``torch.compile``: a call of ``module`` (what its class's ``__call__``
-        makes, from its forward's ``facts``). Here the forward's own ``call_impl``, read
-        by its key; the hot forwards read their facts alone."""
-        forward = owner(facts.forward_key)
+        makes, from its forward's ``facts``; ``forward``: the forward called, when not
+        the module's own, else read from it). Here the forward's own ``call_impl``; the
+        hot forwards read their facts alone."""
+        forward = called(module, forward)
         if hooked:
             kwargs = {**kwargs, "_mixprec_hooked": True}
         return forward.call_impl(module, *args, **kwargs)
@@ -478,8 +482,8 @@ class ForwardBase(ShowsForward):
         """``module.forward`` (what ``nn.Module._call_impl`` calls after the hooks, and
         what ``module.forward(...)`` calls)."""
         if _dynamo_compiling():
-            facts = compiled_facts(self.forward_key)
-            return type(self).compiled_call(self.module, facts, args, kwargs, True)
+            facts = forward_facts(self.forward_key)
+            return type(self).compiled_call(self.module, facts, args, kwargs, True, self)
         return self.call_impl(self.module, *args, _mixprec_hooked=True, **kwargs)
 
     def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:

@@ -34,7 +34,9 @@ __all__ = [
     "add_repr_note",
     "conversion_of",
     "converted_class",
+    "facts_key",
     "find_converted",
+    "forward_facts",
     "forward_of",
     "owner",
     "qualified_name",
@@ -129,8 +131,9 @@ def add_repr_note(module: nn.Module, note: str) -> None:
 #: The instance attribute that holds a converted module's forward object (see
 #: :func:`set_forward`); ``module.forward`` reads it.
 FORWARD_SLOT = "_mixprec_forward"
-#: The instance attribute that holds its forward object's key (what a compiled call
-#: reads: one guard, where the object would be guarded by type and by each attribute)
+#: The instance attribute that holds the key of its forward's facts (what a compiled
+#: call reads: one guard, where the object would be guarded by type and by each
+#: attribute; see :func:`facts_key`)
 KEY_SLOT = "_mixprec_key"
 
 
@@ -152,9 +155,9 @@ def _converted_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     does with its own ``_call_impl``): the module's forward object makes the call, hooks
     included (its ``call_impl``). As many Python frames as the original's call.
 
-    Under ``torch.compile`` the call reads the forward's key (:data:`KEY_SLOT`) and its
-    class's ``compiled_call`` makes it from the forward's facts
-    (:func:`compiled_facts`), so that TorchDynamo guards one string per module."""
+    Under ``torch.compile`` the call reads the key of the forward's facts
+    (:data:`KEY_SLOT`) and the forward's class's ``compiled_call`` makes it from those
+    facts (:func:`compiled_facts`), so that TorchDynamo guards one string per module."""
     slots = self.__dict__
     if _dynamo_compiling():
         key = slots.get(KEY_SLOT)
@@ -183,11 +186,18 @@ def _converted_setstate(self: nn.Module, state: dict[str, Any]) -> None:
 
 
 def restore_key(module: nn.Module, forward: Any) -> None:
-    """After a copy or an unpickling: the module's :data:`KEY_SLOT`, when ``forward`` is
-    its forward and has its key (either is restored first; each calls this)."""
-    key = getattr(forward, "forward_key", None)
-    if key is not None and module.__dict__.get(FORWARD_SLOT) is forward:
-        module.__dict__[KEY_SLOT] = key
+    """After a copy or an unpickling: the module's :data:`KEY_SLOT` (this process's
+    key of its forward's facts), once both the module and ``forward``, its forward,
+    are whole (either is restored first; each calls this)."""
+    if module.__dict__.get(FORWARD_SLOT) is not forward or not hasattr(
+        type(forward), "compiled_call"
+    ):
+        return
+    try:
+        facts = forward.facts()  # type: ignore[union-attr]
+    except AttributeError:  # (the forward is not whole yet)
+        return
+    module.__dict__[KEY_SLOT] = facts_key(facts)
 
 
 def _rebuilt(cls: type[nn.Module]) -> nn.Module:
@@ -260,15 +270,14 @@ def set_forward(module: nn.Module, forward: Any) -> None:
     the converted one). The module takes its :func:`converted_class`."""
     slots = module.__dict__
     slots[FORWARD_SLOT] = forward
-    key = getattr(forward, "forward_key", None)
-    if key is not None and hasattr(type(forward), "compiled_call"):
-        slots[KEY_SLOT] = key
-    else:
-        slots.pop(KEY_SLOT, None)
     slots.pop("forward", None)
     cls = type(module)
     if getattr(cls, "_mixprec_user_class", None) is None:
         module.__class__ = cls = converted_class(cls)
+    if hasattr(type(forward), "compiled_call"):  # (its facts read the module as it is now)
+        slots[KEY_SLOT] = facts_key(forward.facts())
+    else:
+        slots.pop(KEY_SLOT, None)
     if "__call__" not in cls.__dict__ and cls.__call__ is not _converted_call:
         # (a class with a ``__call__`` of its own: ``nn.Module.__call__`` reads this)
         slots["_call_impl"] = functools.partial(_converted_call, module)
@@ -322,29 +331,41 @@ def owner(key: str) -> Any:
     return obj
 
 
+#: key -> facts (a hashable tuple of constants), and facts -> key: one key per value,
+#: so that equal decisions (the same layer of two converted copies of a model) have
+#: one key, and their compiled calls share guards and graphs, as the original's do
+_FACTS = types.ModuleType("mixprec.convert.structure._FACTS")
+_FACTS_KEYS: dict[Any, str] = {}
+
+
+def facts_key(facts: Any) -> str:
+    """The key of ``facts`` (a hashable tuple of constants: a converted forward's
+    decisions, a low-precision parameter table's), one per value, for good."""
+    key = _FACTS_KEYS.get(facts)
+    if key is None:
+        key = _FACTS_KEYS[facts] = f"f{len(_FACTS_KEYS)}"
+        setattr(_FACTS, key, facts)
+    return key
+
+
 @torch.compiler.assume_constant_result
-def compiled_facts(forward_key: str) -> Any:
-    """Under ``torch.compile``: what a call of the converted forward registered under
-    ``forward_key`` reads of itself (its ``facts()``, a named tuple of constants: its
-    module's key, whether it is still that module's instance ``forward``, its decisions),
-    answered while TorchDynamo traces, so that none of it is guarded one by one: the
-    traced code reads one attribute of the forward (its key: one guard).
+def compiled_facts(key: str) -> Any:
+    """Under ``torch.compile``: the facts of ``key`` (:func:`facts_key`), answered while
+    TorchDynamo traces, so that none of them is guarded one by one: the traced code
+    reads one string (one guard).
 
-    Each answer holds while the forward lives: a forward's key is its own for good and its
-    decisions are made with it. Whether it is still the module's ``forward`` needs no guard
-    of its own either: TorchDynamo already guards every called module's instance
-    ``forward`` by identity, so a forward set later fails that guard and the call is traced
-    again. (Read in the traced code, the module's ``forward`` slot would be the converted
-    forward by a second path: see :func:`owner`.)
-    """
+    A forward's facts are fixed at conversion; what can change since is read in the
+    traced code (hooks, a ``forward`` set on the instance, the class's ``forward``), and
+    so guarded."""
+    return getattr(_FACTS, key)
+
+
+@torch.compiler.assume_constant_result
+def forward_facts(forward_key: str) -> Any:
+    """Under ``torch.compile``: the facts of the converted forward registered under
+    ``forward_key`` (a call through the forward itself: with hooks, or
+    ``module.forward(...)``)."""
     return owner(forward_key).facts()
-
-
-def is_current(forward: Any) -> bool:
-    """Whether ``forward`` (a converted forward) is still its module's instance
-    ``forward`` (see :func:`compiled_facts`)."""
-    slots = owner(forward.key).__dict__
-    return slots.get(FORWARD_SLOT) is forward and "forward" not in slots
 
 
 def torch_forward(cls: type[nn.Module]) -> bool:
