@@ -1,0 +1,204 @@
+"""A converted module's class: a subclass of the user's class that holds the conversion's
+code (its ``__call__`` and ``forward``), the per-module state in one instance slot."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import pickle
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as amp
+from mixprec.convert.structure import KEY_SLOT, forward_of, user_class
+
+LEVELS = ["O1", "autocast", "O2", "O3"]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.norm(self.linear(x)) * scale
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), nn.GELU(), Block())
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_converted_module_is_of_a_subclass_of_its_class_that_reads_as_it(level: str) -> None:
+    model = _model()
+    converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+    for (name, original), (_, module) in zip(
+        model.named_modules(), converted.named_modules(), strict=True
+    ):
+        cls = type(original)
+        assert isinstance(module, cls), name
+        assert user_class(module) is cls
+        assert type(module) is not cls
+        assert type(module).__mro__[1] is cls
+        for attribute in ("__name__", "__qualname__", "__module__"):
+            assert getattr(type(module), attribute) == getattr(cls, attribute)
+        # the class's forward is the user's, the module's the conversion's
+        assert type(module).forward is cls.forward
+        assert module.forward is forward_of(module)
+    assert repr(converted).splitlines()[2:] == repr(model).splitlines()[1:]  # (the level line)
+    shown = inspect.signature(converted[0].forward)
+    assert shown == inspect.signature(model[0].forward)
+    assert list(shown.parameters) == ["x", "scale"]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_one_converted_class_per_class(level: str) -> None:
+    converted = amp.auto_mixed_precision(_model(), level, torch.bfloat16)
+    again = amp.auto_mixed_precision(_model(), level, torch.bfloat16)
+    assert type(converted[0]) is type(converted[2]) is type(again[0])
+    assert type(converted[0].linear) is type(again[2].linear)
+
+
+class _Rewriting(nn.Module):
+    """A base class that wraps each subclass's ``forward`` as it is made, as transformers'
+    ``GradientCheckpointingLayer`` does: a converted class is such a subclass too."""
+
+    wrapped: list[str] = []
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        forward = cls.forward
+
+        def rewritten(self: nn.Module, *args: Any, **kw: Any) -> Any:
+            return forward(self, *args, **kw)
+
+        cls.forward = rewritten  # type: ignore[method-assign]
+        _Rewriting.wrapped.append(cls.__name__)
+
+
+class _Layer(_Rewriting):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_base_class_that_rewrites_forward_keeps_the_conversion(level: str, hooked: bool) -> None:
+    """The converted class's own ``forward`` and ``__call__`` stand whatever a base's
+    ``__init_subclass__`` set: a float32-pinned layer computes in float32, with a hook
+    (its call then goes through ``nn.Module._call_impl`` and ``module.forward``) too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Layer(), nn.Linear(4, 4))
+    converted = amp.auto_mixed_precision(model, level, torch.bfloat16, fp32_modules=["1"])
+    seen: list[torch.dtype] = []
+    converted[1].linear.register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+    if hooked:
+        converted[1].register_forward_hook(lambda m, a, out: None)
+    out = converted(torch.randn(3, 4))
+    assert seen == [torch.float32]
+    assert out.dtype == (torch.bfloat16 if level == "autocast" else torch.float32)
+    assert type(converted[1]).forward is _Layer.forward
+
+
+class _OwnCall(nn.Module):
+    """A class with a ``__call__`` of its own (which calls ``nn.Module.__call__``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return super().__call__(*args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_class_with_its_own_call_keeps_it(level: str) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    own = nn.Sequential(nn.Linear(4, 4), _OwnCall())
+    own[1].linear.load_state_dict(plain[1].state_dict())
+    own[0].load_state_dict(plain[0].state_dict())
+    x = torch.randn(3, 4)
+    expected = amp.auto_mixed_precision(plain, level, torch.bfloat16)(x)
+    converted = amp.auto_mixed_precision(own, level, torch.bfloat16)
+    assert torch.equal(converted(x), expected)
+    assert converted[1].calls == 1
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(converted, backend="eager")(x)
+    assert torch.equal(compiled, expected.detach())
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_module_compile_in_place(level: str) -> None:
+    converted = amp.auto_mixed_precision(_model(), level, torch.bfloat16)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        expected = converted(x)
+    torch._dynamo.reset()
+    converted.compile(backend="eager")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(converted(x), expected)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copy_is_of_the_converted_class_with_its_decisions(level: str, how: str) -> None:
+    converted = amp.auto_mixed_precision(_model(), level, torch.bfloat16)
+    if how == "deepcopy":
+        twin = copy.deepcopy(converted)
+    elif how == "pickle":
+        twin = pickle.loads(pickle.dumps(converted))
+    else:
+        buffer = io.BytesIO()
+        torch.save(converted, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert torch.equal(twin(x), converted(x))
+    for module, copied in zip(converted.modules(), twin.modules(), strict=True):
+        assert type(copied) is type(module)
+        assert (KEY_SLOT in copied.__dict__) == (KEY_SLOT in module.__dict__)
+        if level != "O1":  # (an O1 copy's region is its own: its key is in its facts)
+            assert copied.__dict__.get(KEY_SLOT) == module.__dict__.get(KEY_SLOT)
+        assert forward_of(copied) is not forward_of(module)
+
+
+@pytest.mark.parametrize("level", ["autocast", "O2", "O3"])
+def test_converted_copies_of_a_model_share_compiled_graphs(level: str) -> None:
+    """Equal decisions have one key: a second converted copy of the model runs the graph
+    compiled for the first (its own weights, no recompilation), as a copy of the
+    original does."""
+    x = torch.randn(3, 4)
+    first = amp.auto_mixed_precision(_model(), level, torch.bfloat16)
+    second = amp.auto_mixed_precision(_model(), level, torch.bfloat16)
+    with torch.no_grad():
+        for parameter in second.parameters():
+            parameter.add_(0.5)
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.compile(first, backend="eager")(x)
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                out = torch.compile(second, backend="eager")(x)
+        assert torch.equal(out, second(x))
+        assert not torch.equal(out, first(x))
