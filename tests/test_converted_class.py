@@ -66,11 +66,12 @@ def test_one_converted_class_per_class(level: str) -> None:
     assert type(converted[0].linear) is type(again[2].linear)
 
 
+_WRAPPED: list[type] = []  # each class _Rewriting's __init_subclass__ wrapped
+
+
 class _Rewriting(nn.Module):
     """A base class that wraps each subclass's ``forward`` as it is made, as transformers'
     ``GradientCheckpointingLayer`` does: a converted class is such a subclass too."""
-
-    wrapped: list[str] = []
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -80,7 +81,7 @@ class _Rewriting(nn.Module):
             return forward(self, *args, **kw)
 
         cls.forward = rewritten  # type: ignore[method-assign]
-        _Rewriting.wrapped.append(cls.__name__)
+        _WRAPPED.append(cls)
 
 
 class _Layer(_Rewriting):
@@ -109,6 +110,7 @@ def test_a_base_class_that_rewrites_forward_keeps_the_conversion(level: str, hoo
     assert seen == [torch.float32]
     assert out.dtype == (torch.bfloat16 if level == "autocast" else torch.float32)
     assert type(converted[1]).forward is _Layer.forward
+    assert type(converted[1]) in _WRAPPED  # (its base rewrote its forward, once)
 
 
 class _OwnCall(nn.Module):
