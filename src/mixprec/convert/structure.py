@@ -6,10 +6,13 @@ modules of the same classes whose ``_parameters`` and ``_buffers`` hold the very
 tensor objects. An optimizer built on the original keeps updating the weights the copy
 computes with; hooks or children added to the copy do not reach the original.
 
-The instance slots a conversion layers on a copied module (``forward``, ``_parameters``,
-``extra_repr``) are written here only: :func:`set_forward`, :func:`set_parameters` and
-:func:`add_repr_note`. Layers compose: a repr note is added, never replaces another
-(emulation keeps the level line), and a forward wraps the one before it.
+A converted module takes its class's converted class (:func:`converted_class`: a subclass
+of the user's class whose ``__call__`` and ``forward`` are the conversion's), and the slots a
+conversion layers on a copied module (its forward object and that object's key,
+``_parameters``, ``extra_repr``) are written here only: :func:`set_forward`,
+:func:`set_parameters` and :func:`add_repr_note`. Layers compose: a repr note is added,
+never replaces another (emulation keeps the level line), and a forward wraps the one before
+it.
 """
 
 from __future__ import annotations
