@@ -9,11 +9,6 @@ forward+backward, one thread, medians of interleaved rounds, printed as ratios t
 the number of guards of the captured graphs (TorchDynamo checks every guard before each
 call, in C++; on these tiny models that check is a large share of a compiled call).
 
-``--candidate`` adds a column "methods": the autocast level with each module's ``forward``
-a bound method of one function per (class, device, dtype) instead of an object per module
-(a design candidate, built here by rebinding the converted model's forwards; TorchDynamo
-guards a bound method by its function, so such models share graphs and carry fewer guards).
-
 ``--guard-cost`` also times every column's forward with guard evaluation skipped
 (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``; unsafe, a diagnostic only):
 the difference is what the guard check costs per call.
@@ -22,7 +17,7 @@ the difference is what the guard check costs per call.
 does: host time per call, each call starting on an idle GPU.
 
 Run: python benchmarks/bench_compile.py [--rounds 20] [--models bert,gpt2] [--guard-cost]
-[--candidate] [--device cuda] [--dtype bf16|fp16]
+[--device cuda] [--dtype bf16|fp16]
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import functools
 import types
 import warnings
 from collections.abc import Callable
@@ -41,7 +35,6 @@ from torch import nn
 
 import mixprec as amp
 from bench_overhead import LEVELS, _first_tensor, build, on_device, time_rounds
-from mixprec.convert.autocast import AutocastForward
 
 BASE = "autocast+compile"
 
@@ -56,33 +49,6 @@ def _explain(
     with region, torch.no_grad():
         found = torch._dynamo.explain(model)(**inputs)
     return found.graph_break_count, len(found.out_guards or ())
-
-
-@functools.cache
-def _autocast_forward(cls: type[nn.Module], device: str, dtype: torch.dtype) -> Callable[..., Any]:
-    """The candidate's ``forward`` of every ``cls`` module: its class's forward inside the
-    region, entering it when called from outside (one function per decision)."""
-
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == dtype:
-            return cls.forward(self, *args, **kwargs)
-        with torch.autocast(device, dtype):
-            return cls.forward(self, *args, **kwargs)
-
-    return forward
-
-
-def bound_methods(converted: nn.Module) -> nn.Module:
-    """The candidate: ``converted`` (autocast level) with each plain :class:`AutocastForward`
-    replaced by a bound method of :func:`_autocast_forward` (pins and fast paths kept; the
-    root's warning under an outer autocast left out)."""
-    for module in converted.modules():
-        wrapper = module.__dict__.get("forward")
-        plain = isinstance(wrapper, AutocastForward) and not wrapper.as_written
-        if plain and not wrapper.may_get_nested:
-            function = _autocast_forward(type(module), wrapper.device_type, wrapper.dtype)
-            module.__dict__["forward"] = types.MethodType(function, module)
-    return converted
 
 
 def _run(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
@@ -106,7 +72,6 @@ def compiled_call(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable
 def columns(
     model: nn.Module,
     inputs: dict[str, torch.Tensor],
-    candidate: bool,
     dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, tuple[int, int]]]:
     """One zero-argument compiled call per column, and (graph breaks, guards) of each."""
@@ -127,10 +92,6 @@ def columns(
         converted = amp.auto_mixed_precision(model, level, dtype)
         explained[level] = _explain(converted, inputs, None)
         calls[level] = compiled_call(converted, inputs)
-    if candidate:
-        methods = bound_methods(amp.auto_mixed_precision(model, "autocast", dtype))
-        explained["methods"] = _explain(methods, inputs, None)
-        calls["methods"] = compiled_call(methods, inputs)
     return calls, explained
 
 
@@ -144,7 +105,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--models", default="bert,gpt2")
     parser.add_argument("--guard-cost", action="store_true", help="also time with guards skipped")
-    parser.add_argument("--candidate", action="store_true", help="add the bound-method column")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     args = parser.parse_args()
@@ -153,13 +113,13 @@ def main() -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     idle = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     low_name = f"{args.dtype} model"
-    names = (BASE, low_name, *LEVELS, *(("methods",) if args.candidate else ()))
+    names = (BASE, low_name, *LEVELS)
     print("compiled (inductor) host time per call, ratio to torch.autocast around the compiled")
     print(f"original, on {args.device}, {args.dtype} (median of {args.rounds} interleaved rounds)")
     print(f"{'model':6s} {'pass':8s} {BASE:>18s}" + "".join(f"{n:>11s}" for n in names[1:]))
     for model_name in args.models.split(","):
         model, inputs = on_device(*build(model_name), args.device)
-        calls, explained = columns(model, inputs, args.candidate, dtype)
+        calls, explained = columns(model, inputs, dtype)
         calls[low_name] = calls.pop("low model")
         explained[low_name] = explained.pop("low model")
         for backward in (False, True):

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 import mixprec as amp
 from bench_overhead import _call, _first_tensor, build, time_rounds
 from mixprec.convert.runtime import RuntimeListMode
+from mixprec.convert.structure import forward_of
 
 #: The white-list ops the tiny transformers reach (aten names).
 OPS = ("addmm", "linear", "matmul", "bmm", "baddbmm", "mm", "scaled_dot_product_attention")
@@ -55,9 +56,7 @@ _BELOW = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 def _region(converted: torch.nn.Module) -> Any:
     """The run-time state of an O1 conversion (its ``kernels`` flag picks the mechanism)."""
     return next(
-        m.__dict__["forward"].region
-        for m in converted.modules()
-        if hasattr(m.__dict__.get("forward"), "region")
+        forward_of(m).region for m in converted.modules() if hasattr(forward_of(m), "region")
     )
 
 

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 import mixprec as amp
+from mixprec.convert.structure import forward_of
 
 LEVELS = ("O1", "autocast", "O2", "O3")
 
@@ -235,7 +236,7 @@ def output_kept(
     converted: nn.Module, inputs: dict[str, torch.Tensor]
 ) -> Callable[[], torch.Tensor]:
     """A diagnostic column: ``converted`` (O2/O3) with its root's output cast turned off."""
-    converted.__dict__["forward"].output_dtype = None  # (the root's ModuleCall)
+    forward_of(converted).output_dtype = None  # (the root's ModuleCall)
     return functools.partial(_call, converted, inputs)
 
 

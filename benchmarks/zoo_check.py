@@ -17,6 +17,7 @@ import torch
 import transformers as tf
 
 import mixprec as amp
+from mixprec.convert.structure import forward_of
 
 warnings.filterwarnings("ignore")
 torch.manual_seed(0)
@@ -132,11 +133,7 @@ def main() -> None:
 
 def _mode_loss(conv, kw):
     """The loss with O1's list applied by the mode instead of the kernels."""
-    region = next(
-        m.__dict__["forward"].region
-        for m in conv.modules()
-        if hasattr(m.__dict__.get("forward"), "region")
-    )
+    region = next(forward_of(m).region for m in conv.modules() if hasattr(forward_of(m), "region"))
     region.kernels = False
     try:
         torch.manual_seed(1)  # (the same dropout masks as the kernels' call)
