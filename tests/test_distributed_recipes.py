@@ -62,8 +62,21 @@ def _torchrun(script: Path, *args: str, procs: int = 2) -> list[str]:
     ]  # fmt: skip
 
 
+# PyTorch's gloo teardown race (see the page): a rank that finished aborts at interpreter
+# exit (-6) and torchrun ends the others (-15). Only that failure is let through; the
+# callers still require every rank's result line.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _finished(result: subprocess.CompletedProcess[str]) -> bool:
+    if result.returncode == 0:
+        return True
+    codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", result.stderr))
+    return TEARDOWN_ABORT in result.stderr and "-6" in codes and codes <= {"-6", "-15"}
+
+
 def _lines(result: subprocess.CompletedProcess[str]) -> list[str]:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert _finished(result), result.stdout[-3000:] + result.stderr[-3000:]
     # the ranks print at once into one pipe: a line may run into the next
     return sorted(re.findall(r"rank \d+[^\n]*?(?=rank \d|\n|$)", result.stdout))
 
@@ -116,6 +129,20 @@ def test_every_recipe_of_the_multi_node_page_runs(tmp_path: Path) -> None:
     assert failed.returncode == 1
     assert "RuntimeError: rank 1: a bad batch" in failed.stderr
     assert "SIGTERM" in failed.stderr
+
+
+@pytest.mark.parametrize(
+    ("rc", "stderr", "finished"),
+    [
+        (0, "", True),
+        (1, f"{TEARDOWN_ABORT}\n  exitcode  : -6 (pid: 1)\n  exitcode  : -15 (pid: 2)", True),
+        (1, "  exitcode  : -6 (pid: 1)", False),  # an abort of another cause
+        (1, f"{TEARDOWN_ABORT}\n  exitcode  : 1 (pid: 1)\n  exitcode  : -6 (pid: 2)", False),
+        (1, f"{TEARDOWN_ABORT}\n  exitcode  : -15 (pid: 2)", False),
+    ],
+)
+def test_only_the_teardown_abort_is_let_through(rc: int, stderr: str, finished: bool) -> None:
+    assert _finished(subprocess.CompletedProcess([], rc, "", stderr)) is finished
 
 
 def test_the_pipeline_recipe_runs(tmp_path: Path) -> None:
