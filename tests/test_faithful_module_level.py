@@ -24,6 +24,7 @@ from torch.nn.utils import parametrize
 import mixprec as amp
 from helpers import MLP, count_casts, needs_compile, rel_error
 from mixprec.convert.cast_at_use import low_precision_parameters
+from mixprec.convert.structure import forward_of
 
 LEVELS = ["O2", "O3"]
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
@@ -297,6 +298,86 @@ def test_parametrizations_run_in_float32_and_feed_low_layers(
     original = model[0].parametrizations.weight.original
     assert original.grad is not None
     assert original.grad.dtype == torch.float32
+
+
+class Scaled(nn.Module):
+    def __init__(self, seen: list[torch.dtype]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        self.seen.append(t.dtype)
+        return t * 0.5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("level", LEVELS)
+def test_parametrizations_registered_after_conversion_run_as_those_before(
+    level: str, dtype: torch.dtype
+) -> None:
+    """A parametrization registered on a converted model (a weight, a second one on the
+    same weight, a bias) computes in float32 on the float32 original, and the low layer
+    computes with its low result, as one registered before conversion does."""
+    torch.manual_seed(0)
+    seen: list[torch.dtype] = []
+    model = nn.Sequential(Block(), nn.Linear(8, 2)).eval()
+    converted = amp.auto_mixed_precision(model, level, dtype)
+    for net in (model, converted):  # the same change to both
+        parametrize.register_parametrization(net[0].fc, "weight", Symmetric(seen))
+        parametrize.register_parametrization(net[0].fc, "weight", Scaled(seen))
+        parametrize.register_parametrization(net[1], "bias", Scaled(seen))
+    assert forward_of(model[0].fc.parametrizations.weight) is None  # the user's: as made
+    x = torch.randn(3, 8)
+    expected = model(x)
+    seen.clear()
+    out = converted(x)
+    assert seen == [torch.float32] * 3  # each parametrization once, in float32
+    weights = _watch(converted)
+    converted(x)
+    assert weights["0.fc"] == {dtype}
+    assert weights["1"] == {dtype}
+    assert out.dtype == torch.float32
+    assert rel_error(out, expected) < TOLERANCE[dtype]
+    out.sum().backward()
+    for original in (
+        converted[0].fc.parametrizations.weight.original,
+        converted[1].parametrizations.bias.original,
+    ):
+        assert original.grad is not None
+        assert original.grad.dtype == torch.float32
+    assert torch.equal(torch.compile(converted, backend="eager")(x), converted(x))
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_remove_parametrizations_leaves_the_float32_weight(level: str, when: str) -> None:
+    """Outside a call a parametrized weight reads float32 (as a stored weight does), so
+    ``remove_parametrizations`` writes the parametrized value into the float32 original
+    (the same Parameter: an optimizer keeps it) and the layer is converted as before."""
+    torch.manual_seed(0)
+    seen: list[torch.dtype] = []
+    model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+    if when == "before":
+        parametrize.register_parametrization(model[0], "weight", Symmetric(seen))
+    converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+    if when == "after":
+        parametrize.register_parametrization(converted[0], "weight", Symmetric(seen))
+    original = converted[0].parametrizations.weight.original
+    value = converted[0].weight
+    assert value.dtype == torch.float32
+    x = torch.randn(3, 6)
+    parametrized = converted(x)
+    parametrize.remove_parametrizations(converted[0], "weight")
+    assert converted[0].weight is original
+    assert torch.equal(original, value)
+    assert type(converted[0]) is type(converted[2])  # the converted Linear again
+    assert torch.equal(converted(x), parametrized)
+    weights = _watch(converted)
+    converted(x)
+    assert weights["0"] == {torch.bfloat16}
+    if when == "before":  # the user's model keeps its parametrization
+        assert parametrize.is_parametrized(model[0], "weight")
+        assert model(x).dtype == torch.float32
 
 
 # ------------------------------------------------------------------ 6. mixed operands

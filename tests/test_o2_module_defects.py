@@ -38,13 +38,26 @@ ORIGINALS = {"spectral_norm": ("weight_orig",), "weight_norm": ("weight_g", "wei
 # ------------------------------------------------------------------ old weight hooks
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("kind", NORMS)
 @pytest.mark.parametrize("level", LEVELS)
-def test_old_weight_hook_runs_in_float32_and_the_matmul_low(level: str, kind: str) -> None:
-    model = nn.Sequential(_normed(kind), nn.ReLU()).train()
+def test_old_weight_hook_runs_in_float32_and_the_matmul_low(
+    level: str, kind: str, when: str
+) -> None:
+    """A hook applied before conversion or to the converted layer (at its next call)."""
     reference = nn.Sequential(_normed(kind), nn.ReLU()).train()  # (no deepcopy: weight_norm)
+    if when == "before":
+        model = nn.Sequential(_normed(kind), nn.ReLU()).train()
+        converted = amp.auto_mixed_precision(model, level, BF16)
+    else:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).train()
+        rng = torch.random.get_rng_state()
+        converted = amp.auto_mixed_precision(model, level, BF16)
+        torch.random.set_rng_state(rng)  # (spectral norm draws its vectors)
+        getattr(nn.utils, kind)(converted[0])
+        model = converted  # (the hook's originals are the converted layer's)
     x = torch.randn(3, 4)
-    converted = amp.auto_mixed_precision(model, level, BF16)
     seen: dict[str, torch.dtype] = {}
 
     def record(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.compiler import is_dynamo_compiling as _dynamo_compiling
 from torch.nn.modules.module import (
     _global_backward_hooks,
@@ -62,9 +63,11 @@ from torch.nn.modules.module import (
     _global_forward_hooks,
     _global_forward_pre_hooks,
 )
+from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
 from mixprec._warn import warn
+from mixprec.convert import weight_hooks
 from mixprec.convert.structure import (
     compiled_facts,
     converted_class,
@@ -75,6 +78,7 @@ from mixprec.convert.structure import (
     owner,
     register,
     restore_key,
+    set_forward,
     torch_forward,
     user_class,
 )
@@ -289,10 +293,13 @@ def _cast_for(frame: _Frame, tensor: torch.Tensor, dtype: torch.dtype) -> torch.
         version = low._version
     except RuntimeError:  # an inference tensor has no version counter
         version = -1
-    try:
-        pointer = low.data_ptr()
-    except RuntimeError:  # a fake or functional tensor (export, explain) has no data
-        pointer = -1
+    if type(low) is not torch.Tensor and isinstance(low, FakeTensor):
+        pointer = -1  # (explain's fake tensors: no data, and a warning where it is read)
+    else:
+        try:
+            pointer = low.data_ptr()
+        except RuntimeError:  # a functional tensor (export) has no data
+            pointer = -1
     frame.casts[id(tensor)] = (tensor, low, version, pointer)
     return low
 
@@ -373,6 +380,14 @@ class LowParameters(dict[str, Any]):
         self.dtype = self.state.dtype
         self.local = self.state._local
         self.facts_key = facts_key(self.facts())
+
+    def adopt_weight_hooks(self, module: nn.Module) -> None:
+        """Keep float32 the originals of the old weight hooks registered on ``module``
+        (which holds this table) since conversion (:func:`weight_hooks.adopt`)."""
+        kept = weight_hooks.adopt(module, self.dtype, self.kept)
+        if kept is not self.kept:
+            self.kept = kept
+            self.facts_key = facts_key(self.facts())
 
     def facts(self) -> tuple[tuple[str, ...], torch.dtype]:
         """What a compiled read takes as constants
@@ -833,6 +848,7 @@ class ModuleCall:
         fused: frozenset[str] = frozenset(),
         mixed_kernel: bool = False,
     ) -> None:
+        _watch_registrations()
         self.module = module
         self.key = register(module)  # (what a compiled call reads it by: see _compiled_call)
         self.forward_key = register(self)  # (see structure.compiled_facts)
@@ -854,6 +870,8 @@ class ModuleCall:
         #: (or a fused-kernel module whose children compute in two dtypes, which its kernel
         #: cannot take: the mode makes it take its standard path)
         self.loss = isinstance(module, nn.modules.loss._Loss) or mixed_kernel
+        #: a parametrization (its output: the value of a parametrized tensor)
+        self.parametrization = isinstance(module, parametrize.ParametrizationList)
         #: a call that needs more than the fast path when it runs inside a running call
         self.special = isinstance(module, nn.RNNBase)
         #: whether a call inside a running call takes the hot path (not the root's)
@@ -925,6 +943,7 @@ class ModuleCall:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        _watch_registrations()
         self.__dict__.update(state)
         self.key, self.forward_key = register(self.module), register(self)
         self.converted = converted_class(self.cls)
@@ -983,6 +1002,8 @@ class ModuleCall:
                 or "forward" in slots
                 or torch._C._get_tracing_state()
             ):
+                if slots["_forward_pre_hooks"] and type(slots["_parameters"]) is LowParameters:
+                    slots["_parameters"].adopt_weight_hooks(module)  # (an old weight hook)
                 return nn.Module._call_impl(module, *args, **kwargs)
         if self.nested:
             frame = self.local.frame
@@ -1169,6 +1190,10 @@ class ModuleCall:
     def _enter(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call that enters the conversion (the root, or a module called directly),
         or one that needs more than the hot path (a float32 island, a recurrent layer)."""
+        if self.parametrization and self.state.frame() is None:
+            # a parametrized weight read outside any call: float32, as a stored weight
+            # reads there (what ``remove_parametrizations`` writes back to the original)
+            return self._plain(args, kwargs)
         given: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (see cast_pairs)
         if self.root:
             dtype = self.input_dtype
@@ -1245,6 +1270,48 @@ class ModuleCall:
             view.__dict__.update(module.__dict__)
             module = view  # its _update_flat_weights() writes the view, not the module
         return self.cls.forward(module, *args, **kwargs)
+
+
+def _registered(parent: nn.Module, name: str, child: nn.Module | None) -> None:
+    """A module registered in a module converted at O2/O3, after conversion: what
+    ``register_parametrization`` adds (the ``parametrizations`` dict, a
+    ``ParametrizationList`` in it, a parametrization appended to one) is converted as
+    conversion converts the parametrizations it finds: the list a float32 island (its math
+    runs on the float32 original) whose output is cast to what its owner computes in, so a
+    low layer reads a low weight. Any other module added later runs unconverted (a dtype
+    error it meets names it: :func:`_explain_mixed`)."""
+    call = parent.__dict__.get("_mixprec_forward")
+    if type(call) is not ModuleCall or child is None or forward_of(child) is not None:
+        return
+    plist = isinstance(child, parametrize.ParametrizationList)
+    if not (
+        plist
+        or isinstance(parent, parametrize.ParametrizationList)
+        or (name == "parametrizations" and type(child) is nn.ModuleDict)
+    ):
+        return
+    state = call.state
+    if plist and not call.float32:  # (a low owner: its weight leaves the island low)
+        set_forward(
+            child,
+            ModuleCall(child, state, float32=True, dtype=torch.float32, output_dtype=state.dtype),
+        )
+    else:  # (the owner's precision: the dict, or a list in a float32 owner)
+        set_forward(child, ModuleCall(child, state, float32=call.float32))
+    for grandchild_name, grandchild in list(child._modules.items()):
+        _registered(child, grandchild_name, grandchild)
+
+
+_WATCHING = False
+
+
+def _watch_registrations() -> None:
+    """Watch module registrations (:func:`_registered`), once per process, from the first
+    module converted at O2/O3 (or loaded) on."""
+    global _WATCHING
+    if not _WATCHING:
+        _WATCHING = True
+        nn.modules.module.register_module_module_registration_hook(_registered)
 
 
 class LowParameter(NamedTuple):

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.compiler import is_dynamo_compiling as _dynamo_compiling
 from torch.nn.modules import module as module_hooks
+from torch.nn.utils import parametrize
 
 __all__ = [
     "CONVERSION_ATTR",
@@ -245,6 +246,19 @@ def converted_class(cls: type[nn.Module]) -> type[nn.Module]:
     return converted
 
 
+def _converted_class_of(module: nn.Module, cls: type[nn.Module]) -> type[nn.Module]:
+    """The class ``module`` (of class ``cls``) takes when converted: :func:`converted_class`,
+    or for a module parametrized before conversion, whose class ``register_parametrization``
+    made for it over its own (the parametrized tensors' properties live there), a copy of
+    that class over the converted class: the layout a parametrization registered after
+    conversion makes, which ``remove_parametrizations`` undoes (it deletes the properties
+    from the module's class and restores the class's base)."""
+    if not parametrize.is_parametrized(module):
+        return converted_class(cls)
+    body = {name: v for name, v in vars(cls).items() if name not in ("__dict__", "__weakref__")}
+    return type(cls.__name__, (converted_class(cls.__bases__[0]),), body)
+
+
 def user_class(module: nn.Module) -> type[nn.Module]:
     """The class of ``module`` as the user made it (a converted module's class is a
     subclass of it: :func:`converted_class`)."""
@@ -276,7 +290,7 @@ def set_forward(module: nn.Module, forward: Any) -> None:
     slots.pop("forward", None)
     cls = type(module)
     if getattr(cls, "_mixprec_user_class", None) is None:
-        module.__class__ = cls = converted_class(cls)
+        module.__class__ = cls = _converted_class_of(module, cls)
     if hasattr(type(forward), "compiled_call"):  # (its facts read the module as it is now)
         slots[KEY_SLOT] = facts_key(forward.facts())
     else:

@@ -24,7 +24,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from mixprec.policy import lists
 
-__all__ = ["computed_weights", "prepare"]
+__all__ = ["adopt", "computed_weights", "prepare"]
 
 
 def prepare(module: nn.Module, dtype: torch.dtype) -> frozenset[str]:
@@ -36,13 +36,39 @@ def prepare(module: nn.Module, dtype: torch.dtype) -> frozenset[str]:
     """
     hooks = _weight_hooks(module)
     if hooks and dtype != torch.float32 and not isinstance(module, lists.FP32_STATE_MODULES):
-        names = tuple(hook.name for hook in hooks)
-        module.register_forward_pre_hook(functools.partial(_cast_computed, names, dtype))
+        _cast_after(module, hooks, dtype)
+    return _originals(hooks)
+
+
+def adopt(module: nn.Module, dtype: torch.dtype, kept: frozenset[str]) -> frozenset[str]:
+    """Fit the old hooks registered on ``module`` (computing in ``dtype``, its originals
+    ``kept`` so far) since its conversion, as :func:`prepare` fits those it finds.
+
+    Returns:
+        The names of its Parameters that must stay float32 now (``kept`` when no hook
+        was registered since).
+    """
+    hooks = [hook for hook in _weight_hooks(module) if not _originals([hook]) <= kept]
+    if not hooks:
+        return kept
+    _cast_after(module, hooks, dtype)
+    return kept | _originals(hooks)
+
+
+def _originals(hooks: list[SpectralNorm | WeightNorm]) -> frozenset[str]:
     return frozenset(
         hook.name + suffix
         for hook in hooks
         for suffix in (("_orig",) if isinstance(hook, SpectralNorm) else ("_g", "_v"))
     )
+
+
+def _cast_after(
+    module: nn.Module, hooks: list[SpectralNorm | WeightNorm], dtype: torch.dtype
+) -> None:
+    """A pre-hook, after ``hooks``, casting the weights they compute to ``dtype``."""
+    names = tuple(hook.name for hook in hooks)
+    module.register_forward_pre_hook(functools.partial(_cast_computed, names, dtype))
 
 
 def _weight_hooks(module: nn.Module) -> list[SpectralNorm | WeightNorm]:
