@@ -204,3 +204,29 @@ def test_converted_copies_of_a_model_share_compiled_graphs(level: str) -> None:
                 out = torch.compile(second, backend="eager")(x)
         assert torch.equal(out, second(x))
         assert not torch.equal(out, first(x))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_module_parametrized_before_conversion_can_drop_its_parametrization(
+    level: str,
+) -> None:
+    """``register_parametrization`` gives a module a class of its own over its class;
+    the converted module's is made over the converted class, so ``remove_parametrizations``
+    (which deletes the property from the module's class and restores its base) leaves
+    the converted class, and the user's module keeps its parametrization."""
+    model = _model()
+    nn.utils.parametrizations.weight_norm(model[0].linear)
+    converted = amp.auto_mixed_precision(model, level, "bf16")
+    layer = converted[0].linear
+    assert type(layer).__name__ == "ParametrizedLinear"
+    assert isinstance(layer, nn.Linear)
+    assert user_class(layer) is nn.Linear
+    x = torch.randn(2, 4)
+    before = converted(x)
+    nn.utils.parametrize.remove_parametrizations(layer, "weight")
+    assert type(layer) is type(converted[2].linear)  # the converted Linear
+    assert not nn.utils.parametrize.is_parametrized(layer)
+    assert torch.allclose(converted(x).float(), before.float(), atol=1e-2)
+    assert nn.utils.parametrize.is_parametrized(model[0].linear, "weight")
+    assert type(model[0].linear).__name__ == "ParametrizedLinear"
+    assert torch.allclose(model(x), before.float(), atol=5e-2)  # the user's runs as it did
