@@ -2,19 +2,21 @@
 
 A converted module's compiled call must learn its decisions (its casts, whether it is an
 island) from the module. Each way of reading them adds guards per module, checked before
-every call of the compiled model. This counts the guards of a compiled loop over 20 modules
-(``torch._dynamo.explain``), each multiplying the input by a constant found through:
+every call of the compiled model. This counts the guards of a compiled loop calling 20
+modules (``torch._dynamo.explain``), each call's result multiplied by a constant found
+through:
 
-* nothing (the loop's own guards: the floor);
+* nothing (the calls' own guards: the floor);
 * an instance attribute, a key string (what a converted module reads: ``_mixprec_key``);
 * a class attribute of one class shared by every module;
 * a class attribute of a class per module (a class per decision set);
 * the module's class itself, passed to a function answered at trace time;
 * an identity check of the module's class.
 
-Each reads to about the same count (two guards a module beyond the floor): TorchDynamo
-guards whatever a traced frame reads from its arguments, the class as much as the instance,
-so moving the decisions' key from the instance to a class of its own would save nothing.
+Each adds about the same count (one guard a module beyond the floor; a class of its own per
+module, two): TorchDynamo guards whatever a traced frame reads from its arguments, the
+class as much as the instance, so moving the decisions' key from the instance to a class of
+its own would save nothing.
 
 Run: python benchmarks/bench_guard_reads.py [--modules 20]
 """
@@ -43,7 +45,7 @@ def _class_facts(cls: type) -> float:
 
 class _Plain(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        return x * 2.0
 
 
 _Shared = type("_Shared", (_Plain,), {"_key": "f0"})
@@ -67,31 +69,32 @@ def _class_each(count: int) -> nn.ModuleList:
 
 
 def _nothing(modules: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
-    for _ in modules:
-        x = x * 2.0
+    for module in modules:
+        x = module(x)
     return x
 
 
 def _instance_key(modules: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     for module in modules:
-        x = x * _facts(module.__dict__["_key"])
+        x = module(x) * _facts(module.__dict__["_key"])
     return x
 
 
 def _class_key(modules: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     for module in modules:
-        x = x * _facts(type(module)._key)
+        x = module(x) * _facts(type(module)._key)
     return x
 
 
 def _the_class(modules: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     for module in modules:
-        x = x * _class_facts(type(module))
+        x = module(x) * _class_facts(type(module))
     return x
 
 
 def _class_is(modules: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     for module in modules:
+        x = module(x)
         if type(module) is _Shared:
             x = x * 2.0
     return x
@@ -111,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modules", type=int, default=20)
     args = parser.parse_args()
-    print(f"guards of a compiled loop over {args.modules} modules (torch {torch.__version__})")
+    print(f"guards of a compiled loop calling {args.modules} modules (torch {torch.__version__})")
     floor = None
     for name, build, run in CASES:
         torch._dynamo.reset()
