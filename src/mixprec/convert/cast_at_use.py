@@ -1280,7 +1280,7 @@ def _registered(parent: nn.Module, name: str, child: nn.Module | None) -> None:
     runs on the float32 original) whose output is cast to what its owner computes in, so a
     low layer reads a low weight. Any other module added later runs unconverted (a dtype
     error it meets names it: :func:`_explain_mixed`)."""
-    call = parent.__dict__.get("_mixprec_forward")
+    call = forward_of(parent)
     if type(call) is not ModuleCall or child is None or forward_of(child) is not None:
         return
     plist = isinstance(child, parametrize.ParametrizationList)
