@@ -744,8 +744,9 @@ def _compiled_call(
             and forward is _TORCH_FORWARDS[cls]
             and type(module) is owner(spec.converted)
         ):
-            # (its forward's one call)
-            params = module.__dict__["_parameters"]
+            # (its forward's one call; ``_parameters`` as an attribute, not through
+            # ``module.__dict__``: a guard-tree node per module, see ``_converted_call``)
+            params: dict[str, Any] = module._parameters
             weight = dict.__getitem__(params, "weight")
             bias = dict.get(params, "bias")
             out = _one_call(

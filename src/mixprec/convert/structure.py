@@ -161,16 +161,18 @@ def _converted_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
     Under ``torch.compile`` the call reads the key of the forward's facts
     (:data:`KEY_SLOT`) and the forward's class's ``compiled_call`` makes it from those
-    facts (:func:`compiled_facts`), so that TorchDynamo guards one string per module."""
-    slots = self.__dict__
+    facts (:func:`compiled_facts`), so that TorchDynamo guards one string per module.
+    It reads the key as an attribute: TorchDynamo reads a module's attributes through the
+    instance dict it walks anyway, where ``self.__dict__`` would add a node of its own to
+    the guard tree, per module (``tests/test_compile.py``: a bounded number of nodes)."""
     if _dynamo_compiling():
-        key = slots.get(KEY_SLOT)
+        key = getattr(self, KEY_SLOT, None)
         if key is not None:
             facts = compiled_facts(key)
             return owner(facts.kind).compiled_call(self, facts, args, kwargs, False)
     elif self._compiled_call_impl is not None:  # (``module.compile()``)
         return self._compiled_call_impl(*args, **kwargs)
-    return slots[FORWARD_SLOT].call_impl(self, *args, **kwargs)
+    return self.__dict__[FORWARD_SLOT].call_impl(self, *args, **kwargs)
 
 
 def _converted_reduce_ex(self: nn.Module, protocol: Any) -> Any:
