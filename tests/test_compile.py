@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import types
 import warnings
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -327,3 +328,69 @@ def test_a_class_forward_patched_after_conversion_runs_compiled(level: str) -> N
         out = compiled(x)
         assert torch.equal(out, converted(x))
     assert torch.equal(out, torch.full_like(out, 7))
+
+
+class _Pair(NamedTuple):
+    first: torch.Tensor
+    count: int
+
+
+class _Outputs(nn.Module):
+    """Returns its result in every container a root's output cast walks."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = self.linear(x)
+        if self.kind == "model output":
+            from transformers.modeling_outputs import BaseModelOutput
+
+            return BaseModelOutput(last_hidden_state=y, hidden_states=(y, y * 2))
+        return {"a": y, "b": (y, _Pair(y * 2, 3)), "c": [y, None, 1.5]}
+
+
+def _tree_equal(a: Any, b: Any) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype == torch.float32
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            _tree_equal(a[key], b[key])
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _tree_equal(x, y)
+    else:
+        assert a == b
+
+
+@needs_compile
+@pytest.mark.parametrize("kind", ["containers", "model output"])
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_compiled_root_casts_its_outputs_without_pytree(level: str, kind: str) -> None:
+    """Compiled, an O2/O3 root casts its output to float32 as its eager call does (the
+    same containers: dicts, tuples, named tuples, lists, transformers' ``ModelOutput``),
+    by a walk of its own, not ``torch.utils._pytree.tree_map``, whose functions and type
+    registry (a global dict) TorchDynamo guards (about 25 guard-tree nodes on a
+    transformers output, checked before every call)."""
+    if kind == "model output":
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    converted = amp.auto_mixed_precision(_Outputs(kind), level, torch.bfloat16)
+    x = torch.randn(2, 4)
+    run = types.FunctionType(_run_model.__code__.replace(), _run_model.__globals__, "_run")
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(run, backend="eager")(converted, x)
+        eager = converted(x)
+    _tree_equal(compiled, eager)
+    (entry,) = _debug_get_cache_entry_list(run.__code__)
+    guards = str(entry.guard_manager)
+    assert "tree_map" not in guards
+    assert "SUPPORTED_NODES" not in guards

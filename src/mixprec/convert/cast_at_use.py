@@ -84,7 +84,7 @@ from mixprec.convert.structure import (
 )
 from mixprec.policy import lists
 from mixprec.policy.dtypes import _CAST_METHODS, _CASTABLE, dtype_name, is_castable, to_dtype
-from mixprec.policy.ops import cast_tree, only_plain_tensors, op_name
+from mixprec.policy.ops import cast_compiled, cast_tree, only_plain_tensors, op_name
 
 __all__ = [
     "CastState",
@@ -758,7 +758,7 @@ def _compiled_call(
             )
         else:
             out = forward(module, *args, **kwargs)
-    return out if spec.output is None else cast_tree(out, spec.output)
+    return out if spec.output is None else cast_compiled(out, spec.output)
 
 
 def _called(module: nn.Module, call: ModuleCall | None) -> ModuleCall:

@@ -57,12 +57,16 @@ def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
     tensor that appears twice is cast once, so ``query is key is value`` stays true."""
     if isinstance(tree, torch.Tensor):  # the common cases, without a tree walk
         return to_dtype(tree, dtype) if tree.dtype != dtype and is_castable(tree) else tree
-    if isinstance(tree, dict) and type(tree) is not dict and not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()  # (the compiler would guard on each id)
+    if compiling:
+        known = _cast_known(tree, dtype)
+        if known is not _MISSING:
+            return known
+    elif isinstance(tree, dict) and type(tree) is not dict:
         mirrored = _cast_mirrored(tree, dtype)
         if mirrored is not None:
             return mirrored
     casts: dict[int, torch.Tensor] = {}  # a tensor given twice is cast once (aliases stay)
-    compiling = torch.compiler.is_compiling()  # (the compiler would guard on each id)
 
     def tensor(leaf: torch.Tensor) -> torch.Tensor:
         if leaf.dtype == dtype or not is_castable(leaf):
@@ -91,6 +95,40 @@ def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
         return leaf
 
     return pytree.tree_map(one, tree)
+
+
+def cast_compiled(tree: Any, dtype: torch.dtype) -> Any:
+    """:func:`cast_tree` under ``torch.compile``, with no check of whether it is compiling
+    (each check is a guard)."""
+    known = _cast_known(tree, dtype)
+    return cast_tree(tree, dtype) if known is _MISSING else known
+
+
+def _cast_known(tree: Any, dtype: torch.dtype) -> Any:
+    """Under ``torch.compile``: ``tree`` cast when it is made of tensors, tuples, lists,
+    named tuples, dicts and dict dataclasses (transformers' ``ModelOutput``, rebuilt by its
+    constructor from its cast items, as its pytree registration rebuilds it); otherwise
+    ``_MISSING``, for the tree walk. A model's output is made by the traced call, so this
+    walk costs no guard, where ``torch.utils._pytree`` reads its type registry, a global
+    dict TorchDynamo guards entry by entry (about 25 guard-tree nodes on a transformers
+    output)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.dtype != dtype and is_castable(tree) else tree
+    if tree is None or isinstance(tree, (int, float, bool, str)):
+        return tree
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        items = [_cast_known(v, dtype) for v in tree]
+        return _MISSING if any(v is _MISSING for v in items) else kind(items)
+    if isinstance(tree, tuple) and hasattr(kind, "_fields"):  # a named tuple
+        items = [_cast_known(v, dtype) for v in tree]
+        return _MISSING if any(v is _MISSING for v in items) else kind(*items)
+    if kind is dict or (isinstance(tree, dict) and dataclasses.is_dataclass(tree)):
+        cast = {k: _cast_known(v, dtype) for k, v in tree.items()}
+        if any(v is _MISSING for v in cast.values()):
+            return _MISSING
+        return cast if kind is dict else kind(**cast)
+    return _MISSING
 
 
 def _opaque(value: Any) -> bool:
