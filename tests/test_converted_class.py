@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 import mixprec as amp
-from mixprec.convert.structure import KEY_SLOT, forward_of, user_class
+from mixprec.convert.structure import (
+    KEY_SLOT,
+    converted_class,
+    forward_of,
+    is_converted_exactly,
+    user_class,
+)
 
 LEVELS = ["O1", "autocast", "O2", "O3"]
 
@@ -59,11 +65,23 @@ def test_a_converted_module_is_of_a_subclass_of_its_class_that_reads_as_it(level
 
 
 @pytest.mark.parametrize("level", LEVELS)
-def test_one_converted_class_per_class(level: str) -> None:
+def test_one_converted_class_per_class_and_decisions(level: str) -> None:
+    """Modules of one class with equal decisions share a converted class, whose
+    ``__call__`` holds their decisions' key as a constant of its code (under
+    ``torch.compile`` no module reads a key of its own); an O1 conversion's decisions
+    name its own region."""
     converted = amp.auto_mixed_precision(_model(), level, torch.bfloat16)
     again = amp.auto_mixed_precision(_model(), level, torch.bfloat16)
-    assert type(converted[0]) is type(converted[2]) is type(again[0])
-    assert type(converted[0].linear) is type(again[2].linear)
+    assert type(converted[0]) is type(converted[2])
+    assert type(converted[0].linear) is type(converted[2].linear)
+    shared = level != "O1"  # (equal decisions: one key, one class)
+    assert (type(converted[0]) is type(again[0])) == shared
+    assert (type(converted[0].linear) is type(again[2].linear)) == shared
+    for module in converted.modules():
+        key = module.__dict__[KEY_SLOT]
+        assert type(module) is converted_class(user_class(module), key)
+        assert key in type(module).__call__.__code__.co_consts
+    assert type(converted).__call__.__code__ is not type(converted[0]).__call__.__code__
 
 
 _WRAPPED: list[type] = []  # each class _Rewriting's __init_subclass__ wrapped
@@ -178,10 +196,12 @@ def test_a_copy_is_of_the_converted_class_with_its_decisions(level: str, how: st
     with torch.no_grad():
         assert torch.equal(twin(x), converted(x))
     for module, copied in zip(converted.modules(), twin.modules(), strict=True):
-        assert type(copied) is type(module)
+        assert user_class(copied) is user_class(module)
         assert (KEY_SLOT in copied.__dict__) == (KEY_SLOT in module.__dict__)
+        assert type(copied) is converted_class(user_class(copied), copied.__dict__[KEY_SLOT])
         if level != "O1":  # (an O1 copy's region is its own: its key is in its facts)
             assert copied.__dict__.get(KEY_SLOT) == module.__dict__.get(KEY_SLOT)
+            assert type(copied) is type(module)
         assert forward_of(copied) is not forward_of(module)
 
 
@@ -224,7 +244,8 @@ def test_a_module_parametrized_before_conversion_can_drop_its_parametrization(
     x = torch.randn(2, 4)
     before = converted(x)
     nn.utils.parametrize.remove_parametrizations(layer, "weight")
-    assert type(layer) is type(converted[2].linear)  # the converted Linear
+    assert is_converted_exactly(layer)  # a converted Linear (of its decisions)
+    assert user_class(layer) is nn.Linear
     assert not nn.utils.parametrize.is_parametrized(layer)
     assert torch.allclose(converted(x).float(), before.float(), atol=1e-2)
     assert nn.utils.parametrize.is_parametrized(model[0].linear, "weight")

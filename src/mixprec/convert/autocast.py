@@ -222,7 +222,8 @@ class AutocastForward(ForwardBase):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         hooked: bool,
-        forward: ForwardBase | None = None,
+        forward: ForwardBase | None,
+        exact: bool,
     ) -> Any:
         if hook_path_compiled(module, facts, hooked):
             return nn.Module._call_impl(module, *args, **kwargs)
@@ -537,7 +538,8 @@ class ListedForward(InRegion):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         hooked: bool,
-        forward: ForwardBase | None = None,
+        forward: ForwardBase | None,
+        exact: bool,
     ) -> Any:
         region = owner(facts.region_key)
         if hook_path_compiled(module, facts, hooked):
@@ -664,7 +666,8 @@ class WhiteForward(InRegion):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         hooked: bool,
-        forward: ForwardBase | None = None,
+        forward: ForwardBase | None,
+        exact: bool,
     ) -> Any:
         region = owner(facts.region_key)
         if hook_path_compiled(module, facts, hooked):

@@ -70,11 +70,11 @@ from mixprec._warn import warn
 from mixprec.convert import weight_hooks
 from mixprec.convert.structure import (
     compiled_facts,
-    converted_class,
     facts_key,
     forward_facts,
     forward_of,
     hooked_compiled,
+    is_converted_exactly,
     owner,
     register,
     restore_key,
@@ -341,9 +341,9 @@ class _Spec(NamedTuple):
     #: a one-call layer whose weights a compiled call reads as :meth:`ModuleCall._direct`
     #: does (from its ``LowParameters``, with no names kept: not through ``module.weight``,
     #: whose traced lookup TorchDynamo guards step by step, per module), while the module
-    #: is of its converted class (by its key: FSDP2's ``fully_shard`` makes another)
+    #: is of its converted class exactly (the call's ``exact``: FSDP2's ``fully_shard``
+    #: and ``register_parametrization`` make other classes over it)
     direct: bool
-    converted: str
 
 
 class _Facts(NamedTuple):
@@ -704,6 +704,7 @@ def _compiled_call(
     kwargs: dict[str, Any],
     hooked: bool,
     call: ModuleCall | None,
+    exact: bool,
 ) -> Any:
     """A :class:`ModuleCall` under ``torch.compile``: the casts inside the graph, no
     thread-local state and no mode (weights are cast at each read, inside the graph).
@@ -742,7 +743,7 @@ def _compiled_call(
             and len(args) == 1
             and not kwargs
             and forward is _TORCH_FORWARDS[cls]
-            and type(module) is owner(spec.converted)
+            and exact
         ):
             # (its forward's one call; ``_parameters`` as an attribute, not through
             # ``module.__dict__``: a guard-tree node per module, see ``_converted_call``)
@@ -887,8 +888,6 @@ class ModuleCall:
         #: running its class's forward (one call,
         #: which :meth:`_direct` makes): ``(class, its forward)``, checked at each call
         cls = self.cls = user_class(module)
-        #: the class the module takes (:func:`~mixprec.convert.structure.set_forward`)
-        self.converted = converted_class(cls)
         self.direct = (
             (cls, cls.forward)
             if cls in _ONE_CALL
@@ -910,7 +909,6 @@ class ModuleCall:
             view=self.special,
             low=self.state.dtype,
             cls=register(self.cls),
-            converted=register(self.converted),
             direct=self._direct_table() is not None,
         )
 
@@ -923,7 +921,7 @@ class ModuleCall:
         cls, forward = self.direct
         params = self.module.__dict__.get("_parameters")
         if (
-            type(self.module) is not self.converted
+            not (type(self.module) is cls or is_converted_exactly(self.module))
             or cls.forward is not forward
             or type(params) is not LowParameters
             or params.kept
@@ -940,14 +938,12 @@ class ModuleCall:
         state = dict(self.__dict__)
         del state["local"]  # a thread-local cannot be copied: the copy's state has its own
         del state["key"], state["forward_key"]  # (this process's table)
-        del state["converted"]  # (made where it is loaded: a class made at run time)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         _watch_registrations()
         self.__dict__.update(state)
         self.key, self.forward_key = register(self.module), register(self)
-        self.converted = converted_class(self.cls)
         self.local = self.state._local
         restore_key(self.module, self)
 
@@ -958,15 +954,18 @@ class ModuleCall:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         hooked: bool,
-        call: ModuleCall | None = None,
+        call: ModuleCall | None,
+        exact: bool,
     ) -> Any:
-        """Under ``torch.compile`` (:func:`_compiled_call`; exporting: the eager call)."""
+        """Under ``torch.compile`` (:func:`_compiled_call`; exporting: the eager call).
+        ``exact``: the module is of its converted class exactly, whose key is its own
+        (:func:`~mixprec.convert.structure.converted_class`)."""
         if torch.compiler.is_exporting():
             forward = _called(module, call)
             if hooked:
                 kwargs = {**kwargs, "_mixprec_hooked": True}
             return forward.call_impl(module, *args, **kwargs)
-        return _compiled_call(module, facts, args, kwargs, hooked, call)
+        return _compiled_call(module, facts, args, kwargs, hooked, call, exact)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -1074,7 +1073,7 @@ class ModuleCall:
         params = module.__dict__["_parameters"]
         embedding = cls is nn.Embedding  # (its one Parameter: no bias)
         if (
-            type(module) is not self.converted
+            not is_converted_exactly(module)
             or cls.forward is not forward
             or type(params) is not LowParameters
             or params.kept
@@ -1106,7 +1105,7 @@ class ModuleCall:
         and what ``module.forward(...)`` calls)."""
         if _dynamo_compiling():
             facts = forward_facts(self.forward_key)
-            return self.compiled_call(self.module, facts, args, kwargs, True, self)
+            return self.compiled_call(self.module, facts, args, kwargs, True, self, False)
         return self.call_impl(self.module, *args, _mixprec_hooked=True, **kwargs)
 
     def _island_body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

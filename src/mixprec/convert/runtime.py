@@ -467,7 +467,8 @@ class ForwardBase(ShowsForward):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         hooked: bool,
-        forward: ForwardBase | None = None,
+        forward: ForwardBase | None,
+        exact: bool,
     ) -> Any:
         """Under ``torch.compile``: a call of ``module`` (what its class's ``__call__``
         makes, from its forward's ``facts``; ``forward``: the forward called, when not
@@ -483,7 +484,7 @@ class ForwardBase(ShowsForward):
         what ``module.forward(...)`` calls)."""
         if _dynamo_compiling():
             facts = forward_facts(self.forward_key)
-            return type(self).compiled_call(self.module, facts, args, kwargs, True, self)
+            return type(self).compiled_call(self.module, facts, args, kwargs, True, self, False)
         return self.call_impl(self.module, *args, _mixprec_hooked=True, **kwargs)
 
     def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:

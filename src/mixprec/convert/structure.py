@@ -42,6 +42,7 @@ __all__ = [
     "find_converted",
     "forward_facts",
     "forward_of",
+    "is_converted_exactly",
     "owner",
     "qualified_name",
     "register",
@@ -155,24 +156,76 @@ class _ConvertedForward:
 
 
 def _converted_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``__call__`` of a converted class (in place of ``nn.Module.__call__``, which it
-    does with its own ``_call_impl``): the module's forward object makes the call, hooks
-    included (its ``call_impl``). As many Python frames as the original's call.
+    """``__call__`` of a converted class made without a key, and of a class another
+    library makes over a converted class (``register_parametrization``'s, FSDP2's
+    ``fully_shard``'s: see :func:`_init_converted_subclass`), in place of
+    ``nn.Module.__call__``, which it does with its own ``_call_impl``: the module's forward
+    object makes the call, hooks included (its ``call_impl``). As many Python frames as
+    the original's call.
 
-    Under ``torch.compile`` the call reads the key of the forward's facts
+    Under ``torch.compile`` the call reads the module's key of its forward's facts
     (:data:`KEY_SLOT`) and the forward's class's ``compiled_call`` makes it from those
-    facts (:func:`compiled_facts`), so that TorchDynamo guards one string per module.
-    It reads the key as an attribute: TorchDynamo reads a module's attributes through the
-    instance dict it walks anyway, where ``self.__dict__`` would add a node of its own to
-    the guard tree, per module (``tests/test_compile.py``: a bounded number of nodes)."""
+    facts (:func:`compiled_facts`), as a call of a module of another class than its
+    converted one (``exact`` false: no one-call short cut). It reads the key as an
+    attribute: TorchDynamo reads a module's attributes through the instance dict it walks
+    anyway, where ``self.__dict__`` would add a node of its own to the guard tree."""
     if _dynamo_compiling():
         key = getattr(self, KEY_SLOT, None)
         if key is not None:
             facts = compiled_facts(key)
-            return owner(facts.kind).compiled_call(self, facts, args, kwargs, False)
+            return owner(facts.kind).compiled_call(self, facts, args, kwargs, False, None, False)
     elif self._compiled_call_impl is not None:  # (``module.compile()``)
         return self._compiled_call_impl(*args, **kwargs)
     return self.__dict__[FORWARD_SLOT].call_impl(self, *args, **kwargs)
+
+
+#: the constant of :func:`_keyed_call_template`'s code that :func:`_keyed_call` replaces
+#: with a key in a copy of that code
+_KEY_PLACEHOLDER = "<mixprec: a converted class's facts key>"
+
+
+def _keyed_call_template(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """:func:`_converted_call` of a converted class whose modules' forward facts have one
+    key (:func:`_keyed_call` copies this code with the key a constant of it)."""
+    if _dynamo_compiling():
+        facts = compiled_facts("<mixprec: a converted class's facts key>")  # (_KEY_PLACEHOLDER)
+        return owner(facts.kind).compiled_call(self, facts, args, kwargs, False, None, True)
+    if self._compiled_call_impl is not None:  # (``module.compile()``)
+        return self._compiled_call_impl(*args, **kwargs)
+    return self.__dict__[FORWARD_SLOT].call_impl(self, *args, **kwargs)
+
+
+def _keyed_call(key: str) -> Any:
+    """``__call__`` of the converted class of the forward facts of key ``key``
+    (:func:`converted_class`): :func:`_converted_call`, but under ``torch.compile`` the
+    key is a constant of the function's code, not read from the module. TorchDynamo reads
+    a constant of the code it traces without a guard (a closure cell or a default would be
+    guarded, through the class, for each class), and it guards each module's class anyway:
+    a module's decisions then cost no guard of their own. One class per user class and set
+    of decisions, shared by every module with those decisions."""
+    template = _keyed_call_template.__code__
+    if _KEY_PLACEHOLDER not in template.co_consts:
+        raise RuntimeError("mixprec: the keyed call's template lost its key placeholder")
+    consts = tuple(key if c == _KEY_PLACEHOLDER else c for c in template.co_consts)
+    call = types.FunctionType(
+        template.replace(co_consts=consts, co_name="_converted_call"),
+        _keyed_call_template.__globals__,
+        "_converted_call",
+    )
+    call.__qualname__ = "_converted_call"
+    call.__doc__ = _converted_call.__doc__
+    return call
+
+
+def _init_converted_subclass(sub: type, **kwargs: Any) -> None:
+    """``__init_subclass__`` of a converted class: a class made over it by another library
+    (``register_parametrization``, FSDP2's ``fully_shard``) calls through
+    :func:`_converted_call`, which reads the module's key (a converted class's key is what
+    its own modules compute with)."""
+    base = next(c for c in sub.__mro__[1:] if "_mixprec_user_class" in c.__dict__)
+    super(base, sub).__init_subclass__(**kwargs)  # type: ignore[arg-type]
+    if "__call__" in base.__dict__ and "__call__" not in sub.__dict__:
+        sub.__call__ = _converted_call  # type: ignore[method-assign]
 
 
 def _converted_reduce_ex(self: nn.Module, protocol: Any) -> Any:
@@ -203,7 +256,9 @@ def restore_key(module: nn.Module, forward: Any) -> None:
         facts = forward.facts()  # type: ignore[union-attr]
     except AttributeError:  # (the forward is not whole yet)
         return
-    module.__dict__[KEY_SLOT] = facts_key(facts)
+    key = module.__dict__[KEY_SLOT] = facts_key(facts)
+    if is_converted_exactly(module):
+        module.__class__ = converted_class(user_class(module), key)
 
 
 def _rebuilt(cls: type[nn.Module]) -> nn.Module:
@@ -213,52 +268,67 @@ def _rebuilt(cls: type[nn.Module]) -> nn.Module:
     return new
 
 
-_CONVERTED: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+_CONVERTED: weakref.WeakKeyDictionary[type, dict[str | None, type]] = weakref.WeakKeyDictionary()
 
 
-def converted_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """The class of a converted module of class ``cls``: a subclass of ``cls`` of the
-    same name, module and qualified name, one per class, whose ``forward`` is the
-    module's forward object and whose calls that object makes.
+def converted_class(cls: type[nn.Module], key: str | None = None) -> type[nn.Module]:
+    """The class of a converted module of class ``cls`` whose forward's facts have key
+    ``key`` (:func:`facts_key`; None: a module being converted, or one whose forward has
+    no compiled facts): a subclass of ``cls`` of the same name, module and qualified name,
+    one per class and key, whose ``forward`` is the module's forward object and whose
+    calls that object makes (:func:`_keyed_call`).
 
     A conversion's per-module state lives on the instance (:data:`FORWARD_SLOT`), its
-    code on this class: TorchDynamo guards a module's class once, where every instance
-    slot (a ``forward``, a ``_call_impl``) would be guarded per module, at each call of a
-    compiled model. ``isinstance(converted, cls)`` holds; ``type(converted)`` is this
+    code and its decisions' key on this class: TorchDynamo guards a module's class once
+    per module, where every instance slot (a ``forward``, a ``_call_impl``, a key) would
+    be guarded besides. ``isinstance(converted, cls)`` holds; ``type(converted)`` is this
     class (as it is a class of its own for a module sharded by FSDP2's ``fully_shard``).
     A class with a ``__call__`` of its own keeps it; its modules' ``_call_impl`` is
     their forward object's (an instance slot)."""
-    converted = _CONVERTED.get(cls)
+    classes = _CONVERTED.get(cls)
+    if classes is None:
+        classes = _CONVERTED[cls] = {}
+    converted = classes.get(key)
     if converted is None:
         body: dict[str, Any] = {
             "forward": _ConvertedForward(),
             "__reduce_ex__": _converted_reduce_ex,
             "__setstate__": _converted_setstate,
+            "__init_subclass__": classmethod(_init_converted_subclass),
             "_mixprec_user_class": cls,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "__doc__": cls.__doc__,
         }
         if cls.__call__ is nn.Module.__call__:
-            body["__call__"] = _converted_call
+            body["__call__"] = _converted_call if key is None else _keyed_call(key)
         converted = types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(body))
         for name, value in body.items():  # (what a base's ``__init_subclass__`` rewrote:
             setattr(converted, name, value)  # transformers' layers wrap ``forward``)
-        _CONVERTED[cls] = converted
+        classes[key] = converted
     return converted
 
 
-def _converted_class_of(module: nn.Module, cls: type[nn.Module]) -> type[nn.Module]:
-    """The class ``module`` (of class ``cls``) takes when converted: :func:`converted_class`,
-    or for a module parametrized before conversion, whose class ``register_parametrization``
-    made for it over its own (the parametrized tensors' properties live there), a copy of
-    that class over the converted class: the layout a parametrization registered after
-    conversion makes, which ``remove_parametrizations`` undoes (it deletes the properties
-    from the module's class and restores the class's base)."""
+def is_converted_exactly(module: nn.Module) -> bool:
+    """Whether ``module`` is of a converted class (:func:`converted_class`), not of a class
+    another library made over one."""
+    return "_mixprec_user_class" in type(module).__dict__
+
+
+def _converted_class_of(
+    module: nn.Module, cls: type[nn.Module], key: str | None
+) -> type[nn.Module]:
+    """The class ``module`` (of class ``cls``) takes when converted, its forward's facts of
+    key ``key``: :func:`converted_class`, or for a module parametrized before conversion,
+    whose class ``register_parametrization`` made for it over its own (the parametrized
+    tensors' properties live there), a copy of that class over the converted class: the
+    layout a parametrization registered after conversion makes, which
+    ``remove_parametrizations`` undoes (it deletes the properties from the module's class
+    and restores the class's base)."""
     if not parametrize.is_parametrized(module):
-        return converted_class(cls)
+        return converted_class(cls, key)
     body = {name: v for name, v in vars(cls).items() if name not in ("__dict__", "__weakref__")}
-    return type(cls.__name__, (converted_class(cls.__bases__[0]),), body)
+    return type(cls.__name__, (converted_class(cls.__bases__[0], key),), body)
 
 
 def user_class(module: nn.Module) -> type[nn.Module]:
@@ -290,13 +360,18 @@ def set_forward(module: nn.Module, forward: Any) -> None:
     slots = module.__dict__
     slots[FORWARD_SLOT] = forward
     slots.pop("forward", None)
-    cls = type(module)
-    if getattr(cls, "_mixprec_user_class", None) is None:
-        module.__class__ = cls = _converted_class_of(module, cls)
-    if hasattr(type(forward), "compiled_call"):  # (its facts read the module as it is now)
-        slots[KEY_SLOT] = facts_key(forward.facts())
-    else:
+    # (its facts read the module as it is now, of its class or of a converted one of it)
+    key = facts_key(forward.facts()) if hasattr(type(forward), "compiled_call") else None
+    if key is None:
         slots.pop(KEY_SLOT, None)
+    else:
+        slots[KEY_SLOT] = key
+    cls = type(module)
+    user = getattr(cls, "_mixprec_user_class", None)
+    if user is None:
+        module.__class__ = cls = _converted_class_of(module, cls, key)
+    elif is_converted_exactly(module):
+        module.__class__ = cls = converted_class(user, key)
     if "__call__" not in cls.__dict__ and cls.__call__ is not _converted_call:
         # (a class with a ``__call__`` of its own: ``nn.Module.__call__`` reads this)
         slots["_call_impl"] = functools.partial(_converted_call, module)
