@@ -15,8 +15,14 @@ through:
 
 Each adds about the same count (one guard a module beyond the floor; a class of its own per
 module, two): TorchDynamo guards whatever a traced frame reads from its arguments, the
-class as much as the instance, so moving the decisions' key from the instance to a class of
-its own would save nothing.
+class as much as the instance.
+
+A converted module's class has a ``__call__`` of its own, so a second group times calls
+through one, as counts of guard-tree nodes (what the check walks) beside the guards: a
+``__call__`` that reads nothing (its floor), one that reads the instance key (a converted
+module's before 2026-12-06), one whose key is a closure cell of a class per decision set,
+and one whose key is a constant of its code, a class per decision set (a converted
+module's now): TorchDynamo guards the cell (through the class's dict), not a constant.
 
 Run: python benchmarks/bench_guard_reads.py [--modules 20]
 """
@@ -24,11 +30,13 @@ Run: python benchmarks/bench_guard_reads.py [--modules 20]
 from __future__ import annotations
 
 import argparse
+import types
 from collections.abc import Callable
 
 import torch
 import torch._dynamo
 from torch import nn
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 _FACTS = {"f0": 2.0}
 
@@ -110,6 +118,72 @@ CASES: list[tuple[str, Callable[[int], nn.ModuleList], Callable[..., torch.Tenso
 ]
 
 
+_PLACEHOLDER = "<key>"
+
+
+def _call_reading_nothing(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return type(self).forward(self, x) * 2.0
+
+
+def _call_reading_the_key(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return type(self).forward(self, x) * _facts(getattr(self, "_key", None))
+
+
+def _call_template(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return type(self).forward(self, x) * _facts("<key>")
+
+
+def _closure_call(key: str) -> Callable[..., torch.Tensor]:
+    def call(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return type(self).forward(self, x) * _facts(key)
+
+    return call
+
+
+def _constant_call(key: str) -> Callable[..., torch.Tensor]:
+    code = _call_template.__code__
+    consts = tuple(key if c == _PLACEHOLDER else c for c in code.co_consts)
+    return types.FunctionType(code.replace(co_consts=consts), _call_template.__globals__)
+
+
+def _with_call(call: Callable[..., torch.Tensor], classes: int) -> Callable[[int], nn.ModuleList]:
+    """Modules of ``classes`` classes whose ``__call__`` is ``call`` (each a key of its own)."""
+    made = [type("_Called", (_Plain,), {"__call__": call}) for _ in range(classes)]
+
+    def build(count: int) -> nn.ModuleList:
+        modules = nn.ModuleList(made[i % classes]() for i in range(count))
+        for module in modules:
+            module.__dict__["_key"] = "f0"
+        return modules
+
+    return build
+
+
+def _classes_for(
+    factory: Callable[[str], Callable[..., torch.Tensor]],
+) -> Callable[[int], nn.ModuleList]:
+    """Modules of 4 classes, each class's ``__call__`` made by ``factory`` for key f0."""
+    made = [type("_Called", (_Plain,), {"__call__": factory("f0")}) for _ in range(4)]
+    return lambda count: nn.ModuleList(made[i % 4]() for i in range(count))
+
+
+CALLS: list[tuple[str, Callable[[int], nn.ModuleList]]] = [
+    ("own __call__, reads nothing", _with_call(_call_reading_nothing, 4)),
+    ("own __call__, instance key", _with_call(_call_reading_the_key, 4)),
+    ("closure key, 4 classes", _classes_for(_closure_call)),
+    ("code constant key, 4 classes", _classes_for(_constant_call)),
+]
+
+
+def _nodes(run: Callable[..., torch.Tensor], modules: nn.ModuleList) -> int:
+    """Nodes of the guard tree of ``run(modules, x)`` compiled (a code object of its own)."""
+    fresh = types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__)
+    torch._dynamo.reset()
+    torch.compile(fresh, backend="eager")(modules, torch.randn(3))
+    (entry,) = _debug_get_cache_entry_list(fresh.__code__)
+    return str(entry.guard_manager).count("GuardManager:")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modules", type=int, default=20)
@@ -123,6 +197,16 @@ def main() -> None:
         floor = count if floor is None else floor
         per_module = (count - floor) / args.modules
         print(f"{name:32s} {count:5d}  ({per_module:+.2f} a module)")
+    print("through a __call__ of the class's own: guards, guard-tree nodes")
+    floors: tuple[int, int] | None = None
+    for name, build in CALLS:
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(_nothing)(build(args.modules), torch.randn(3))
+        count = len(explained.out_guards or ())
+        nodes = _nodes(_nothing, build(args.modules))
+        floors = (count, nodes) if floors is None else floors
+        extra = (count - floors[0]) / args.modules, (nodes - floors[1]) / args.modules
+        print(f"{name:32s} {count:5d} {nodes:5d}  ({extra[0]:+.2f}, {extra[1]:+.2f} a module)")
 
 
 if __name__ == "__main__":
