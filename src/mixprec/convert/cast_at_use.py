@@ -1072,8 +1072,9 @@ class ModuleCall:
         cls, forward = self.direct  # type: ignore[misc]
         params = module.__dict__["_parameters"]
         embedding = cls is nn.Embedding  # (its one Parameter: no bias)
+        kind = type(module)
         if (
-            not is_converted_exactly(module)
+            kind._mixprec_exact is not kind  # type: ignore[attr-defined]  # (is_converted_exactly)
             or cls.forward is not forward
             or type(params) is not LowParameters
             or params.kept

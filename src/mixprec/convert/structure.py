@@ -305,14 +305,17 @@ def converted_class(cls: type[nn.Module], key: str | None = None) -> type[nn.Mod
         converted = types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(body))
         for name, value in body.items():  # (what a base's ``__init_subclass__`` rewrote:
             setattr(converted, name, value)  # transformers' layers wrap ``forward``)
+        converted._mixprec_exact = converted  # type: ignore[attr-defined]
         classes[key] = converted
     return converted
 
 
 def is_converted_exactly(module: nn.Module) -> bool:
     """Whether ``module`` is of a converted class (:func:`converted_class`), not of a class
-    another library made over one."""
-    return "_mixprec_user_class" in type(module).__dict__
+    another library made over one (which inherits the converted class's
+    ``_mixprec_exact``, the converted class itself)."""
+    cls = type(module)
+    return getattr(cls, "_mixprec_exact", None) is cls
 
 
 def _converted_class_of(
