@@ -212,8 +212,7 @@ def _keyed_call(key: str) -> Any:
         _keyed_call_template.__globals__,
         "_converted_call",
     )
-    call.__qualname__ = "_converted_call"
-    call.__doc__ = _converted_call.__doc__
+    call.__qualname__ = "_converted_call"  # (its docstring is the template's)
     return call
 
 
