@@ -4,11 +4,12 @@ code (its ``__call__`` and ``forward``), the per-module state in one instance sl
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import io
 import pickle
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -251,3 +252,62 @@ def test_a_module_parametrized_before_conversion_can_drop_its_parametrization(
     assert nn.utils.parametrize.is_parametrized(model[0].linear, "weight")
     assert type(model[0].linear).__name__ == "ParametrizedLinear"
     assert torch.allclose(model(x), before.float(), atol=5e-2)  # the user's runs as it did
+
+
+class _CountCalls:
+    """A mixin a wrapper library puts in front of a module's class."""
+
+    calls: ClassVar[list[str]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _CountCalls.calls.append(type(self).__name__)
+        return super().__call__(*args, **kwargs)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_class_made_over_a_converted_class_keeps_a_call_of_its_own(level: str) -> None:
+    """A class made over a converted class calls through the module's own key (its class
+    is not the converted one), except where a class between them defines ``__call__`` (a
+    mixin's, or an intermediate subclass's): that one runs, as over the user's class,
+    and reaches the converted call."""
+    x = torch.randn(2, 4)
+    expected = amp.auto_mixed_precision(nn.Linear(4, 4), level, torch.bfloat16)
+    layer = amp.auto_mixed_precision(nn.Linear(4, 4), level, torch.bfloat16)
+    layer.load_state_dict(expected.state_dict())
+    converted = type(layer)
+    layer.__class__ = type("Counted", (_CountCalls, converted), {})
+    _CountCalls.calls.clear()
+    assert torch.equal(layer(x), expected(x))
+    assert _CountCalls.calls == ["Counted"]
+
+    class Intermediate(converted):  # type: ignore[misc, valid-type]
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            _CountCalls.calls.append("Intermediate")
+            return super().__call__(*args, **kwargs)
+
+    class Leaf(Intermediate):
+        pass
+
+    layer.__class__ = Leaf
+    _CountCalls.calls.clear()
+    assert torch.equal(layer(x), expected(x))
+    assert _CountCalls.calls == ["Intermediate"]
+    assert Leaf.__call__ is Intermediate.__call__
+    assert not is_converted_exactly(layer)
+
+
+def test_o1_conversions_leave_no_classes_behind() -> None:
+    """Each O1 conversion (and each copy of one) makes converted classes of its own (its
+    decisions name its region); they go with its modules. The other levels' classes are
+    one per class and decision set, shared by every conversion, and kept."""
+    gc.collect()
+    before = len(nn.Linear.__subclasses__())
+    for _ in range(20):
+        converted = amp.auto_mixed_precision(_model(), "O1", torch.bfloat16)
+        copy.deepcopy(converted)(torch.randn(3, 4))
+        del converted
+    gc.collect()
+    assert len(nn.Linear.__subclasses__()) <= before + 1
+    first = amp.auto_mixed_precision(_model(), "O2", torch.bfloat16)
+    second = amp.auto_mixed_precision(_model(), "O2", torch.bfloat16)
+    assert type(first[0].linear) is type(second[0].linear)

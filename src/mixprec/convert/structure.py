@@ -223,7 +223,9 @@ def _init_converted_subclass(sub: type, **kwargs: Any) -> None:
     its own modules compute with)."""
     base = next(c for c in sub.__mro__[1:] if "_mixprec_user_class" in c.__dict__)
     super(base, sub).__init_subclass__(**kwargs)  # type: ignore[arg-type]
-    if "__call__" in base.__dict__ and "__call__" not in sub.__dict__:
+    if "__call__" in base.__dict__ and sub.__call__ is base.__dict__["__call__"]:
+        # (its calls would reach the converted class's own: a class between them that
+        # defines ``__call__``, a mixin's, keeps it, as it would over the user's class)
         sub.__call__ = _converted_call  # type: ignore[method-assign]
 
 
@@ -267,7 +269,15 @@ def _rebuilt(cls: type[nn.Module]) -> nn.Module:
     return new
 
 
+#: user class -> {key: its converted class}, held for good (a bounded set: one class per
+#: user class and set of decisions, which converted copies of a model share, so their
+#: compiled graphs are found again by class)
 _CONVERTED: weakref.WeakKeyDictionary[type, dict[str | None, type]] = weakref.WeakKeyDictionary()
+#: the same for keys of one conversion's own (:data:`_PASSING_KEYS`), held while a module
+#: of the class lives: each O1 conversion, and each copy of one, makes classes of its own
+_CONVERTED_PASSING: weakref.WeakKeyDictionary[type, weakref.WeakValueDictionary[str, type]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def converted_class(cls: type[nn.Module], key: str | None = None) -> type[nn.Module]:
@@ -284,9 +294,11 @@ def converted_class(cls: type[nn.Module], key: str | None = None) -> type[nn.Mod
     class (as it is a class of its own for a module sharded by FSDP2's ``fully_shard``).
     A class with a ``__call__`` of its own keeps it; its modules' ``_call_impl`` is
     their forward object's (an instance slot)."""
-    classes = _CONVERTED.get(cls)
+    passing = key in _PASSING_KEYS
+    table: Any = _CONVERTED_PASSING if passing else _CONVERTED
+    classes = table.get(cls)
     if classes is None:
-        classes = _CONVERTED[cls] = {}
+        classes = table[cls] = weakref.WeakValueDictionary() if passing else {}
     converted = classes.get(key)
     if converted is None:
         body: dict[str, Any] = {
@@ -432,6 +444,9 @@ def owner(key: str) -> Any:
 #: one key, and their compiled calls share guards and graphs, as the original's do
 _FACTS = types.ModuleType("mixprec.convert.structure._FACTS")
 _FACTS_KEYS: dict[Any, str] = {}
+#: keys of facts that name one conversion's own state (an O1 region: ``region_key``),
+#: whose converted classes are not kept past their modules (:func:`converted_class`)
+_PASSING_KEYS: set[str] = set()
 
 
 def facts_key(facts: Any) -> str:
@@ -441,6 +456,8 @@ def facts_key(facts: Any) -> str:
     if key is None:
         key = _FACTS_KEYS[facts] = f"f{len(_FACTS_KEYS)}"
         setattr(_FACTS, key, facts)
+        if getattr(facts, "region_key", ""):
+            _PASSING_KEYS.add(key)
     return key
 
 
