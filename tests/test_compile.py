@@ -394,3 +394,40 @@ def test_a_compiled_root_casts_its_outputs_without_pytree(level: str, kind: str)
     guards = str(entry.guard_manager)
     assert "tree_map" not in guards
     assert "SUPPORTED_NODES" not in guards
+
+
+@needs_compile
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_compiled_weights_read_outside_a_converted_call_are_the_parameters(level: str) -> None:
+    """Compiled as eagerly, an O2/O3 layer's weight reads as its low-precision cast inside
+    a converted call only: ``torch.func.functional_call`` (which saves and restores the
+    Parameters around the call) leaves the shared float32 Parameters in place, and a
+    weight read next to the call (a regulariser) is the Parameter. Before, every compiled
+    read cast: the restore wrote bf16 casts into the model, cutting it from the
+    optimizer's Parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+    x = torch.randn(3, 4)
+    params = {k: v.detach() * 2 for k, v in converted.named_parameters()}
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(
+            lambda p, x: torch.func.functional_call(converted, p, (x,)), backend="eager"
+        )(params, x)
+        eager = torch.func.functional_call(converted, params, (x,))
+        assert torch.equal(compiled, eager)
+        for name, parameter in model.named_parameters():
+            assert converted.get_parameter(name) is parameter
+        step = torch.compile(
+            lambda x: (
+                converted(x).sum() + converted[0].weight.square().sum(),
+                converted[0].weight,
+            ),
+            backend="eager",
+        )
+        loss, weight = step(x)
+    assert weight.dtype == torch.float32
+    expected = converted(x).sum() + model[0].weight.square().sum()
+    torch.testing.assert_close(loss, expected)

@@ -407,7 +407,7 @@ class LowParameters(dict[str, Any]):
                     return value
                 return self.state.low(value, frame)
             kept, dtype = compiled_facts(self.facts_key)
-            if name in kept or not is_castable(value):
+            if name in kept or not is_castable(value) or not _COMPILED.in_call:
                 return value
             return to_dtype(value, dtype)
         if name in self.kept:
@@ -697,6 +697,27 @@ def _cast_top(value: Any, dtype: torch.dtype, casts: dict[int, torch.Tensor]) ->
     return value
 
 
+class _CompiledState:
+    """Whether a converted call is running, for compiled code: ``in_call``, set by
+    :func:`_compiled_call` around the module's forward and read by a ``LowParameters``
+    read under ``torch.compile`` (a weight is its low-precision cast inside a converted
+    call only, as its eager read tells from the call's thread-local state).
+
+    A plain attribute of a global object, which TorchDynamo traces as it traces any
+    Python: a write is a side effect it applies where the compiled code hands back to
+    Python (a graph break, the end of the frame), and drops with a trace it restarts; a
+    read inside one graph sees the writes before it, a read at its start is guarded (one
+    guard). So a read between a call's entry and its exit casts, across graph breaks too,
+    and one anywhere else does not: ``torch.func.functional_call`` saving and restoring the
+    Parameters around the call, a regulariser reading a weight next to the call."""
+
+    def __init__(self) -> None:
+        self.in_call = False  # (an instance attribute: read through the object's dict)
+
+
+_COMPILED = _CompiledState()
+
+
 def _compiled_call(
     module: nn.Module,
     facts: _Facts,
@@ -731,34 +752,39 @@ def _compiled_call(
             args, kwargs = cast_tree((args, kwargs), dtype)
         else:  # (no tree walk: TorchDynamo would guard each step of it)
             args = tuple(_cast_top(v, dtype, {}) for v in args)
-    if spec.float32 and _outer_autocast():
-        out = _without_autocast(_called(module, call), args, kwargs)
-    elif spec.inner or spec.view:  # (a view: its flat weights are set on a per-call view)
-        out = _called(module, call)._plain(args, kwargs)
-    else:
-        cls = owner(spec.cls)
-        forward = cls.forward  # (guarded once per class: a class patched later retraces)
-        if (
-            spec.direct
-            and len(args) == 1
-            and not kwargs
-            and forward is _TORCH_FORWARDS[cls]
-            and exact
-        ):
-            # (its forward's one call; ``_parameters`` as an attribute, not through
-            # ``module.__dict__``: a guard-tree node per module, see ``_converted_call``)
-            params: dict[str, Any] = module._parameters
-            weight = dict.__getitem__(params, "weight")
-            bias = dict.get(params, "bias")
-            out = _one_call(
-                cls,
-                module,
-                args[0],
-                to_dtype(weight, spec.low),
-                None if bias is None else to_dtype(bias, spec.low),
-            )
+    before = _COMPILED.in_call
+    _COMPILED.in_call = True
+    try:
+        if spec.float32 and _outer_autocast():
+            out = _without_autocast(_called(module, call), args, kwargs)
+        elif spec.inner or spec.view:  # (a view: its flat weights are set on a per-call view)
+            out = _called(module, call)._plain(args, kwargs)
         else:
-            out = forward(module, *args, **kwargs)
+            cls = owner(spec.cls)
+            forward = cls.forward  # (guarded once per class: a class patched later retraces)
+            if (
+                spec.direct
+                and len(args) == 1
+                and not kwargs
+                and forward is _TORCH_FORWARDS[cls]
+                and exact
+            ):
+                # (its forward's one call; ``_parameters`` as an attribute, not through
+                # ``module.__dict__``: a guard-tree node per module, see ``_converted_call``)
+                params: dict[str, Any] = module._parameters
+                weight = dict.__getitem__(params, "weight")
+                bias = dict.get(params, "bias")
+                out = _one_call(
+                    cls,
+                    module,
+                    args[0],
+                    to_dtype(weight, spec.low),
+                    None if bias is None else to_dtype(bias, spec.low),
+                )
+            else:
+                out = forward(module, *args, **kwargs)
+    finally:
+        _COMPILED.in_call = before
     return out if spec.output is None else cast_compiled(out, spec.output)
 
 
