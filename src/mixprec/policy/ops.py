@@ -66,6 +66,11 @@ def cast_tree(tree: Any, dtype: torch.dtype) -> Any:
         mirrored = _cast_mirrored(tree, dtype)
         if mirrored is not None:
             return mirrored
+    return _cast_walk(tree, dtype, compiling)
+
+
+def _cast_walk(tree: Any, dtype: torch.dtype, compiling: bool) -> Any:
+    """:func:`cast_tree`'s walk of ``tree`` (``compiling``: under ``torch.compile``)."""
     casts: dict[int, torch.Tensor] = {}  # a tensor given twice is cast once (aliases stay)
 
     def tensor(leaf: torch.Tensor) -> torch.Tensor:
@@ -101,7 +106,7 @@ def cast_compiled(tree: Any, dtype: torch.dtype) -> Any:
     """:func:`cast_tree` under ``torch.compile``, with no check of whether it is compiling
     (each check is a guard)."""
     known = _cast_known(tree, dtype)
-    return cast_tree(tree, dtype) if known is _MISSING else known
+    return _cast_walk(tree, dtype, True) if known is _MISSING else known
 
 
 def _cast_known(tree: Any, dtype: torch.dtype) -> Any:
