@@ -130,6 +130,26 @@ def test_a_compiled_recurrent_layer_leaves_the_shared_module_as_it_was(level: st
     )
 
 
+@pytest.mark.parametrize("kind", [nn.GRU, nn.LSTM])
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_compiled_root_recurrent_layer_computes_as_eagerly(level: str, kind: type) -> None:
+    """A recurrent layer at the root: TorchDynamo refuses to wrap it, so the whole call
+    runs eagerly, as the original's does. (The eager call's own frames were traced apart
+    with ``is_compiling()`` true, entering no per-call state: a bfloat16 input met float32
+    weights, or the level's mode was traced into ``torch.zeros``.)"""
+    torch.manual_seed(0)
+    converted = amp.auto_mixed_precision(kind(4, 4, batch_first=True), level, "bf16")
+    x = torch.randn(2, 3, 4)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = torch.compile(converted, backend="eager")(x)
+    want = converted(x)
+    flat = torch.utils._pytree.tree_leaves
+    assert [t.dtype for t in flat(got)] == [t.dtype for t in flat(want)]
+    assert all(torch.equal(a, b) for a, b in zip(flat(got), flat(want), strict=True))
+
+
 def _blocks(count: int) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(

@@ -311,3 +311,41 @@ def test_o1_conversions_leave_no_classes_behind() -> None:
     first = amp.auto_mixed_precision(_model(), "O2", torch.bfloat16)
     second = amp.auto_mixed_precision(_model(), "O2", torch.bfloat16)
     assert type(first[0].linear) is type(second[0].linear)
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+class _Registering(nn.Module):
+    """A base that keeps a registry of its subclasses by name, filled by
+    ``__init_subclass__`` (as plugin registries are): a converted class is a subclass."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _REGISTRY[cls.__name__] = cls
+
+
+class _Plugin(_Registering):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_converted_class_called_makes_a_module_of_the_users_class(level: str) -> None:
+    """``type(converted)(...)`` (and a registry that received the converted class) makes a
+    new module of the user's class, unconverted, as a module the user makes is: it calls
+    and computes as the original class's (it raised ``KeyError: '_mixprec_forward'``)."""
+    torch.manual_seed(0)
+    converted = amp.auto_mixed_precision(nn.Sequential(nn.Linear(4, 4), _Plugin(4)), level, "bf16")
+    x = torch.randn(2, 4)
+    made = type(converted[0])(4, 4)
+    assert type(made) is nn.Linear
+    assert made(x).dtype == torch.float32
+    plugin = _REGISTRY["_Plugin"](4)  # (the converted class, if conversion made one)
+    assert type(plugin) is _Plugin
+    assert torch.equal(plugin(x), plugin.linear(x))
+    assert _REGISTRY["_Plugin"] is type(converted[1])  # (what the registry received)

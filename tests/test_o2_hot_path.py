@@ -643,9 +643,10 @@ def test_an_embedding_renormed_in_its_call_writes_its_weight_as_its_forward_does
     level: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``nn.Embedding(max_norm=...)`` renormalizes the rows it looks up in place, inside its
-    call: made on the cast weight by the one-call path, the write reaches the stored
-    Parameter as it does through the layer's own forward (and as the original's, within
-    bfloat16's rounding)."""
+    call: the one-call path renormalizes the stored float32 weight before casting it (the
+    original's update, bit for bit, eagerly and compiled); through the layer's own forward
+    the renorm is made on the cast and written back (the original's within bfloat16's
+    rounding). Both look up the same renormalized rows, within that rounding."""
     from mixprec.convert.cast_at_use import ModuleCall
 
     def make() -> nn.Module:
@@ -661,17 +662,23 @@ def test_an_embedding_renormed_in_its_call_writes_its_weight_as_its_forward_does
             monkeypatch.setattr(
                 ModuleCall, "_direct", lambda self, module, frame, x: NotImplemented
             )
-        converted = amp.auto_mixed_precision(make(), level, torch.bfloat16)
-        with torch.no_grad():
-            out = converted(ids)
-        results.append((out, converted[0][0].weight.detach().clone()))
-    (out, weight), (expected, expected_weight) = results
-    assert torch.equal(out, expected)
-    assert torch.equal(weight, expected_weight)
+        for compiled in (False, True) if direct else (False,):
+            converted = amp.auto_mixed_precision(make(), level, torch.bfloat16)
+            run = torch.compile(converted, backend="eager") if compiled else converted
+            with torch.no_grad():
+                out = run(ids)
+            results.append((out, converted[0][0].weight.detach().clone()))
+    (out, weight), (compiled_out, compiled_weight), (forward_out, forward_weight) = results
+    stored = original[0][0].weight.detach()
     assert weight.dtype == torch.float32
+    assert torch.equal(weight, stored)
+    assert torch.equal(compiled_weight, stored)
+    assert torch.equal(compiled_out, out)
     touched = ids.unique()
     assert not torch.equal(weight[touched], make()[0][0].weight.detach()[touched])  # renormed
-    torch.testing.assert_close(weight, original[0][0].weight.detach(), rtol=0.01, atol=0.01)
+    assert not torch.equal(forward_weight, stored)  # (renormed in bfloat16, written back)
+    torch.testing.assert_close(forward_weight, stored, rtol=0.01, atol=0.01)
+    torch.testing.assert_close(forward_out, out, rtol=0.01, atol=0.01)
 
 
 def _patched(call: Any) -> Any:

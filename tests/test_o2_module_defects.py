@@ -366,19 +366,87 @@ class _Block(nn.Module):
         self.b = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
+        y = self.b(torch.relu(self.a(x)))
+        norm = getattr(self, "norm", None)  # (one added after conversion)
+        return y if norm is None else norm(y)
+
+
+def _replace_b(model: nn.Module) -> None:
+    model[1].b = nn.Linear(4, 4)  # a child replaced
+
+
+def _append_block(model: nn.Module) -> None:
+    model.append(_Block())  # a block appended (registered through add_module)
+
+
+def _add_norm(model: nn.Module) -> None:
+    model[0].add_module("norm", nn.LayerNorm(4))  # on O2's black list: a float32 island
+
+
+def _new_container(model: nn.Module) -> None:
+    model[1] = nn.Sequential(model[1].a, nn.ReLU(), nn.Linear(4, 4))  # converted `a` moved
+
+
+#: a change made after conversion, and a float32 pin by name it is tried with (a pin that
+#: names the module put in, or the one it is put in)
+CHANGES: dict[str, tuple[Callable[[nn.Module], None], list[str]]] = {
+    "replace": (_replace_b, ["1.b"]),
+    "append": (_append_block, ["1"]),
+    "norm": (_add_norm, ["0"]),
+    "new container": (_new_container, ["1"]),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_module_added_after_conversion_computes_as_if_converted_there(
+    level: str, change: str
+) -> None:
+    """A module registered in a converted model after conversion is converted as
+    conversion would have converted it there: the model converted and then changed
+    computes what the model changed and then converted does, bit for bit, eagerly and
+    compiled (where there is no mode to reconcile a float32 layer with low activations).
+    A pin by name applies to the module put at that name."""
+    x = torch.randn(3, 4)
+    make_change, pinned = CHANGES[change]
+    for pins in (None, pinned):
+        torch.manual_seed(0)
+        first = amp.auto_mixed_precision(
+            nn.Sequential(_Block(), _Block()), level, "bf16", fp32_modules=pins
+        )
+        torch.manual_seed(1)
+        make_change(first)
+        torch.manual_seed(0)
+        changed = nn.Sequential(_Block(), _Block())
+        torch.manual_seed(1)
+        make_change(changed)
+        second = amp.auto_mixed_precision(changed, level, "bf16", fp32_modules=pins)
+        want = second(x)
+        assert torch.equal(first(x), want)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(first, backend="eager")(x), want)
+        with CastCounter() as counted:
+            first(x)
+        with CastCounter() as expected:
+            second(x)
+        assert counted.total == expected.total
 
 
 @pytest.mark.parametrize("level", LEVELS)
-def test_a_module_added_after_conversion_is_named_by_the_dtype_error(level: str) -> None:
-    converted = amp.auto_mixed_precision(nn.Sequential(_Block(), _Block()), level, "bf16")
-    converted[1].b = nn.Linear(4, 4)  # runs unconverted, on float32 weights
+def test_a_module_inserted_without_registration_is_named_by_the_dtype_error(level: str) -> None:
+    """``Sequential.insert`` writes ``_modules`` with no registration hook: the layer it
+    puts in runs unconverted, on float32 weights, and the dtype error it meets below the
+    root names it."""
+    converted = amp.auto_mixed_precision(
+        nn.Sequential(_Block(), nn.Sequential(nn.Linear(4, 4))), level, "bf16"
+    )
+    converted[1].insert(0, nn.Linear(4, 4))
     with pytest.raises(RuntimeError, match="dtype") as caught:
         converted(torch.randn(2, 4))
     notes = caught.value.__notes__
     assert notes == [
         "mixprec: these modules were added after conversion and run unconverted, on float32 "
-        "weights: 1.b; convert the changed model again (auto_mixed_precision on the original, "
+        "weights: 1.0; convert the changed model again (auto_mixed_precision on the original, "
         "changed the same way)"
     ]
 

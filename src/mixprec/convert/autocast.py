@@ -84,6 +84,7 @@ from mixprec.convert.runtime import (
 from mixprec.convert.structure import (
     CONVERSION_ATTR,
     add_repr_note,
+    eager_call,
     forward_of,
     owner,
     qualified_name,
@@ -195,6 +196,7 @@ class AutocastForward(ForwardBase):
         self.may_get_nested = under_fast_path  # only a fast path makes nested tensors
         self.warned = False
 
+    @eager_call
     def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
@@ -307,6 +309,7 @@ class Fp32Forward(ForwardBase):
         self.device_type = device_type
         self.probe = _first_parameter(module)
 
+    @eager_call
     def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
@@ -489,6 +492,7 @@ class ListedForward(InRegion):
             and self.own is None
         )
 
+    @eager_call
     def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False
@@ -622,6 +626,7 @@ class WhiteForward(InRegion):
         #: its class's ``forward`` at conversion: a class patched since runs its own code
         self.class_forward = self.cls.forward
 
+    @eager_call
     def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False

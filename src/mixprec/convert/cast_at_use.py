@@ -70,6 +70,7 @@ from mixprec._warn import warn
 from mixprec.convert import weight_hooks
 from mixprec.convert.structure import (
     compiled_facts,
+    eager_call,
     facts_key,
     forward_facts,
     forward_of,
@@ -78,12 +79,12 @@ from mixprec.convert.structure import (
     owner,
     register,
     restore_key,
-    set_forward,
     torch_forward,
     user_class,
 )
 from mixprec.policy import lists
 from mixprec.policy.dtypes import _CAST_METHODS, _CASTABLE, dtype_name, is_castable, to_dtype
+from mixprec.policy.levels import Recipe
 from mixprec.policy.ops import cast_compiled, cast_tree, only_plain_tensors, op_name
 
 __all__ = [
@@ -201,8 +202,11 @@ class CastState:
     of it. Copies (``deepcopy``, pickle) get a fresh state.
     """
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, recipe: Recipe | None = None) -> None:
         self.dtype = dtype
+        #: the conversion's recipe: a module registered after conversion is converted by
+        #: it (:func:`_registered`)
+        self.recipe = recipe
         # this thread's frame exists from the start, so a compiled caller sees one state
         self._local = _CastLocal(dtype)
         # makes the mode an emulated conversion's calls run under (emulate=True)
@@ -213,7 +217,7 @@ class CastState:
         self.on_direct_call: Callable[[], None] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (CastState, (self.dtype,), {"emulation": self.emulation})
+        return (CastState, (self.dtype, self.recipe), {"emulation": self.emulation})
 
     def frame(self) -> _Frame | None:
         """This thread's running call, or None outside every call."""
@@ -662,7 +666,8 @@ _MIXED_NOTE = (
 
 def _explain_mixed(error: RuntimeError, dtype: torch.dtype, entry: nn.Module) -> None:
     """Add a note to a dtype error raised inside a converted model (once); name the
-    modules added after conversion (they run unconverted, on float32 weights)."""
+    modules added after conversion without registration, which were not converted
+    (``Sequential.insert``: they run on float32 weights; see :func:`_registered`)."""
     message = str(error)
     note = _MIXED_NOTE.format(dtype=str(dtype).removeprefix("torch."))
     if any(word in message for word in _DTYPE_ERRORS) and note not in getattr(
@@ -774,6 +779,8 @@ def _compiled_call(
                 params: dict[str, Any] = module._parameters
                 weight = dict.__getitem__(params, "weight")
                 bias = dict.get(params, "bias")
+                if cls is nn.Embedding and module.max_norm is not None:
+                    _renorm(module, args[0], weight)
                 out = _one_call(
                     cls,
                     module,
@@ -794,6 +801,14 @@ def _called(module: nn.Module, call: ModuleCall | None) -> ModuleCall:
     return forward_of(module) if call is None else call
 
 
+def _renorm(module: Any, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """What ``F.embedding`` does first for an ``nn.Embedding`` with ``max_norm``: the rows
+    ``x`` looks up renormalised in place, in the stored float32 weight (the original's
+    update, bit for bit), before the weight is cast; the call then looks the cast up with
+    no ``max_norm`` of its own (:func:`_one_call`)."""
+    torch.embedding_renorm_(weight.detach(), x.contiguous(), module.max_norm, module.norm_type)
+
+
 def _one_call(
     cls: type[nn.Module],
     module: Any,
@@ -812,7 +827,7 @@ def _one_call(
             x,
             weight,
             module.padding_idx,
-            module.max_norm,
+            None,  # (renormalised before the cast: _renorm)
             module.norm_type,
             module.scale_grad_by_freq,
             module.sparse,
@@ -875,9 +890,11 @@ class ModuleCall:
         dtype: torch.dtype | None = None,
         fused: frozenset[str] = frozenset(),
         mixed_kernel: bool = False,
+        path: str = "",
     ) -> None:
         _watch_registrations()
         self.module = module
+        self.path = path  # its qualified name in the converted model (for a pin by name)
         self.key = register(module)  # (what a compiled call reads it by: see _compiled_call)
         self.forward_key = register(self)  # (see structure.compiled_facts)
         self.state = state
@@ -1006,6 +1023,7 @@ class ModuleCall:
         code = getattr(self.inner or self.cls.forward, "__code__", None)
         return code if isinstance(code, types.CodeType) else type(self).__call__.__code__
 
+    @eager_call
     def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         """A call of ``module`` (what its converted class's ``__call__`` calls): with no
         hooks on the module (nor global module hooks, nor a TorchScript trace running)
@@ -1120,6 +1138,8 @@ class ModuleCall:
         ):
             return NotImplemented  # (LowParameters.__getitem__ decides: a tied weight)
         dtype = self.state.dtype
+        if embedding and module.max_norm is not None:
+            _renorm(module, x, weight)
         weight = _cast_for(frame, weight, dtype)
         if bias is not None:
             bias = _cast_for(frame, bias, dtype)
@@ -1300,33 +1320,18 @@ class ModuleCall:
 
 
 def _registered(parent: nn.Module, name: str, child: nn.Module | None) -> None:
-    """A module registered in a module converted at O2/O3, after conversion: what
-    ``register_parametrization`` adds (the ``parametrizations`` dict, a
-    ``ParametrizationList`` in it, a parametrization appended to one) is converted as
-    conversion converts the parametrizations it finds: the list a float32 island (its math
-    runs on the float32 original) whose output is cast to what its owner computes in, so a
-    low layer reads a low weight. Any other module added later runs unconverted (a dtype
-    error it meets names it: :func:`_explain_mixed`)."""
+    """A module registered in a module converted at O2/O3, after conversion (a child
+    replaced or added, a block appended, what ``register_parametrization`` adds): converted
+    as conversion would have converted it there
+    (:func:`~mixprec.convert.module_level.convert_added`). One added without
+    registration (``ModuleList.insert``, which writes ``_modules``) runs unconverted,
+    on float32 weights (a dtype error it meets names it: :func:`_explain_mixed`)."""
     call = forward_of(parent)
     if type(call) is not ModuleCall or child is None or forward_of(child) is not None:
         return
-    plist = isinstance(child, parametrize.ParametrizationList)
-    if not (
-        plist
-        or isinstance(parent, parametrize.ParametrizationList)
-        or (name == "parametrizations" and type(child) is nn.ModuleDict)
-    ):
-        return
-    state = call.state
-    if plist and not call.float32:  # (a low owner: its weight leaves the island low)
-        set_forward(
-            child,
-            ModuleCall(child, state, float32=True, dtype=torch.float32, output_dtype=state.dtype),
-        )
-    else:  # (the owner's precision: the dict, or a list in a float32 owner)
-        set_forward(child, ModuleCall(child, state, float32=call.float32))
-    for grandchild_name, grandchild in list(child._modules.items()):
-        _registered(child, grandchild_name, grandchild)
+    from mixprec.convert.module_level import convert_added  # (it imports this module)
+
+    convert_added(call, name, child)
 
 
 _WATCHING = False

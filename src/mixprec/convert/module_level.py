@@ -52,6 +52,7 @@ from mixprec.convert.structure import (
     CONVERSION_ATTR,
     ExtraRepr,
     add_repr_note,
+    forward_of,
     qualified_name,
     set_forward,
     set_parameters,
@@ -61,15 +62,135 @@ from mixprec.policy import lists
 from mixprec.policy.dtypes import is_castable
 from mixprec.policy.levels import Precision, Recipe
 
-__all__ = ["ExtraRepr", "convert_module_level"]
+__all__ = ["ExtraRepr", "convert_added", "convert_module_level"]
 
 
-def _device_type(module: nn.Module, root: nn.Module) -> str:
+def _device_type(module: nn.Module, root: nn.Module | None) -> str:
     """The device type of ``module``'s state (of the model's, when it holds none)."""
-    for owner in (module, root):
+    for owner in (module,) if root is None else (module, root):
         for tensor in itertools.chain(owner.parameters(), owner.buffers()):
             return tensor.device.type
     return "cpu"
+
+
+class _Walk:
+    """One walk over a module tree that converts it at module level: each module's
+    precision from the recipe and its parent's, its ``ModuleCall`` and its
+    ``LowParameters``, and the plan's rows. ``root`` is None for a module added to a
+    converted model after conversion (:func:`convert_added`)."""
+
+    def __init__(
+        self, recipe: Recipe, state: CastState, root: nn.Module | None, rows: list[PlanRow]
+    ) -> None:
+        self.recipe = recipe
+        self.state = state
+        self.low = recipe.dtype
+        self.root = root
+        self.rows = rows
+        self.seen_modules: set[int] = set()
+        self.seen_tensors: set[int] = set()
+
+    def visit(self, module: nn.Module, path: str, parent: Precision) -> None:
+        if id(module) in self.seen_modules or (
+            self.root is None and forward_of(module) is not None
+        ):
+            return  # (reached before; or, added to a converted model, a converted module)
+        self.seen_modules.add(id(module))
+        precision = self.recipe.module_precision(module, path, parent)
+        dtype = self.low if precision is Precision.LOW else torch.float32
+        cast_in: torch.dtype | None = None  # what the module casts its floating inputs to
+        cast_out: torch.dtype | None = None  # what an island casts its outputs back to
+        fused: frozenset[str] = frozenset()
+        if precision is not parent and module is not self.root:
+            # an island: it casts its inputs in and its outputs back in its own call
+            cast_in = dtype
+            cast_out = self.low if parent is Precision.LOW else torch.float32
+            if dtype == torch.float32:
+                fused = fused_island(module)
+            # (the plan assumes the device the module's state is on at conversion)
+            kernel = fused and _device_type(module, self.root) in fused
+            self.rows.append(
+                PlanRow.make(
+                    path,
+                    type(module).__name__,
+                    dtype,
+                    () if kernel else [Cast("input", dtype)],
+                    () if kernel else [Cast("output", cast_out)],
+                    kind=RowKind.ISLAND,
+                    note="island",
+                )
+            )
+        cast_here: list[Cast] = []
+        if precision is Precision.LOW and not isinstance(module, lists.FP32_STATE_MODULES):
+            kept = weight_hooks.prepare(module, self.low)  # an old weight hook's originals
+            owned = [
+                (n, t)
+                for n, t in module._parameters.items()
+                if t is not None and is_castable(t) and n not in kept
+            ]
+            for name, tensor in owned:
+                if tensor.dtype != self.low and id(tensor) not in self.seen_tensors:
+                    cast_here.append(Cast(qualified_name(path, name), self.low))
+                self.seen_tensors.add(id(tensor))
+            computed = weight_hooks.computed_weights(module)
+            cast_here += [Cast(qualified_name(path, name), self.low) for name in computed]
+            if owned or kept:
+                set_parameters(module, LowParameters(module._parameters, kept, self.state))
+            fast = has_fast_path(module)  # its fused kernels take its children's weights
+            if (owned or kept or fast) and module is not self.root and precision is parent:
+                cast_in = self.low
+        if module is not self.root:
+            island = precision is Precision.FP32
+            # a fused layer kernel takes every weight of the layer in one dtype
+            mixed = isinstance(module, nn.TransformerEncoderLayer) and any(
+                self.recipe.module_precision(child, qualified_name(path, name), precision)
+                is not precision
+                for name, child in module.named_children()
+            )
+            call = ModuleCall(
+                module,
+                self.state,
+                float32=island,
+                dtype=cast_in,
+                output_dtype=cast_out,
+                fused=fused,
+                mixed_kernel=mixed,
+                path=path,
+            )
+            set_forward(module, call)
+        if cast_here:
+            self.rows.append(
+                PlanRow.make(
+                    path,
+                    type(module).__name__,
+                    dtype,
+                    cast_here,
+                    kind=RowKind.WEIGHTS,
+                    note="weights",
+                )
+            )
+        for name, child in module._modules.items():
+            if child is not None:
+                self.visit(child, qualified_name(path, name), precision)
+
+
+def convert_added(parent: ModuleCall, name: str, child: nn.Module) -> None:
+    """Convert ``child``, registered as ``name`` in a module converted at O2/O3 (whose
+    forward is ``parent``), as conversion would have converted it there: its precision
+    from the conversion's recipe (lists and pins, by its class and its qualified name) and
+    its parent's, its weights read low where it computes low, an island where its
+    precision differs from its parent's. Modules in it that are converted already (a
+    converted module moved into a new container) keep their conversion. A changed model
+    then computes as the changed original, converted, would: the same decisions, eagerly
+    and compiled (where no mode reconciles a float32 layer with low activations).
+    (The conversion's plan, made at conversion, is not redone: ``explain`` with inputs
+    counts what a call casts.)"""
+    recipe = parent.state.recipe
+    if recipe is None:  # (a state made without one: nothing to decide by)
+        return
+    precision = Precision.FP32 if parent.float32 else Precision.LOW
+    walk = _Walk(recipe, parent.state, None, [])
+    walk.visit(child, qualified_name(parent.path, name), precision)
 
 
 def convert_module_level(
@@ -94,7 +215,7 @@ def convert_module_level(
     """
     root = structural_copy(network) if copy else network
     low = recipe.dtype
-    state = CastState(low)
+    state = CastState(low, recipe)
     # a root pinned to float32 (or on the black list) takes and computes float32 throughout
     pinned = recipe.module_precision(root, prefix, Precision.LOW) is Precision.FP32
     given = torch.float32 if pinned else low
@@ -103,90 +224,7 @@ def convert_module_level(
             prefix, "inputs", given, [Cast("floating tensor arguments", given)], kind=RowKind.INPUTS
         )
     ]
-    seen_modules: set[int] = set()
-    seen_tensors: set[int] = set()
-
-    def visit(module: nn.Module, path: str, parent: Precision) -> None:
-        if id(module) in seen_modules:
-            return
-        seen_modules.add(id(module))
-        precision = recipe.module_precision(module, path, parent)
-        dtype = low if precision is Precision.LOW else torch.float32
-        cast_in: torch.dtype | None = None  # what the module casts its floating inputs to
-        cast_out: torch.dtype | None = None  # what an island casts its outputs back to
-        fused: frozenset[str] = frozenset()
-        if precision is not parent and module is not root:
-            # an island: it casts its inputs in and its outputs back in its own call
-            cast_in = dtype
-            cast_out = low if parent is Precision.LOW else torch.float32
-            if dtype == torch.float32:
-                fused = fused_island(module)
-            # (the plan assumes the device the module's state is on at conversion)
-            kernel = fused and _device_type(module, root) in fused
-            rows.append(
-                PlanRow.make(
-                    path,
-                    type(module).__name__,
-                    dtype,
-                    () if kernel else [Cast("input", dtype)],
-                    () if kernel else [Cast("output", cast_out)],
-                    kind=RowKind.ISLAND,
-                    note="island",
-                )
-            )
-        cast_here: list[Cast] = []
-        if precision is Precision.LOW and not isinstance(module, lists.FP32_STATE_MODULES):
-            kept = weight_hooks.prepare(module, low)  # an old weight hook's originals
-            owned = [
-                (n, t)
-                for n, t in module._parameters.items()
-                if t is not None and is_castable(t) and n not in kept
-            ]
-            for name, tensor in owned:
-                if tensor.dtype != low and id(tensor) not in seen_tensors:
-                    cast_here.append(Cast(qualified_name(path, name), low))
-                seen_tensors.add(id(tensor))
-            computed = weight_hooks.computed_weights(module)
-            cast_here += [Cast(qualified_name(path, name), low) for name in computed]
-            if owned or kept:
-                set_parameters(module, LowParameters(module._parameters, kept, state))
-            fast = has_fast_path(module)  # its fused kernels take its children's weights
-            if (owned or kept or fast) and module is not root and precision is parent:
-                cast_in = low
-        if module is not root:
-            island = precision is Precision.FP32
-            # a fused layer kernel takes every weight of the layer in one dtype
-            mixed = isinstance(module, nn.TransformerEncoderLayer) and any(
-                recipe.module_precision(child, qualified_name(path, name), precision)
-                is not precision
-                for name, child in module.named_children()
-            )
-            call = ModuleCall(
-                module,
-                state,
-                float32=island,
-                dtype=cast_in,
-                output_dtype=cast_out,
-                fused=fused,
-                mixed_kernel=mixed,
-            )
-            set_forward(module, call)
-        if cast_here:
-            rows.append(
-                PlanRow.make(
-                    path,
-                    type(module).__name__,
-                    dtype,
-                    cast_here,
-                    kind=RowKind.WEIGHTS,
-                    note="weights",
-                )
-            )
-        for name, child in module._modules.items():
-            if child is not None:
-                visit(child, qualified_name(path, name), precision)
-
-    visit(root, prefix, Precision.LOW)
+    _Walk(recipe, state, root, rows).visit(root, prefix, Precision.LOW)
     if output_dtype is not None:
         rows.append(
             PlanRow.make(
@@ -198,7 +236,10 @@ def convert_module_level(
                 kind=RowKind.OUTPUTS,
             )
         )
-    set_forward(root, ModuleCall(root, state, root=True, output_dtype=output_dtype, float32=pinned))
+    set_forward(
+        root,
+        ModuleCall(root, state, root=True, output_dtype=output_dtype, float32=pinned, path=prefix),
+    )
     plan = CastPlan(level=recipe.level.value, dtype=dtype_name(low), rows=tuple(rows))
     root.__dict__[CONVERSION_ATTR] = Conversion(recipe, plan)
     add_repr_note(root, f"mixprec: {recipe.describe()}")

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode, get_overridable_functions
 from mixprec.convert import dispatch
 from mixprec.convert.structure import (
     FORWARD_SLOT,
+    eager_call,
     forward_facts,
     hooked_compiled,
     owner,
@@ -487,6 +488,7 @@ class ForwardBase(ShowsForward):
             return type(self).compiled_call(self.module, facts, args, kwargs, True, self, False)
         return self.call_impl(self.module, *args, _mixprec_hooked=True, **kwargs)
 
+    @eager_call
     def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         """A call of ``module`` (what its converted class's ``__call__`` calls): with no
         hooks it does the forward's work itself, as many Python frames as the original's
@@ -530,6 +532,7 @@ class RuntimeForward(ForwardBase):
         super().__setstate__(state)
         self.table, self.default = decision_table(self.recipe, self.scopes, self.force)
 
+    @eager_call
     def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         # (through a keyword, not a default: TorchDynamo guards a default it reads)
         hooked = kwargs.pop("_mixprec_hooked", False) if kwargs else False

@@ -38,6 +38,7 @@ __all__ = [
     "add_repr_note",
     "conversion_of",
     "converted_class",
+    "eager_call",
     "facts_key",
     "find_converted",
     "forward_facts",
@@ -55,6 +56,27 @@ __all__ = [
 
 #: The attribute a converted module carries (a :class:`mixprec.convert.plan.Conversion`).
 CONVERSION_ATTR = "_mixprec_conversion"
+
+
+def eager_call(function: Any) -> Any:
+    """Mark ``function`` (a converted forward's ``call_impl``: the eager call) to run
+    eagerly, with every call it makes, when TorchDynamo meets it as a frame of its own.
+
+    Compiled code never calls it: a compiled module call takes its class's
+    ``compiled_call``. TorchDynamo meets it only where it runs a converted call eagerly
+    inside a compiled region, after a frame it could not trace (a root ``nn.GRU``, which it
+    refuses to wrap). Compiling that frame alone would fold ``is_compiling()`` to true in
+    the eager path's decisions (no per-call state entered, no mode) and run the rest, past
+    the graph break, eagerly without them: a low input meets float32 weights. So the eager
+    call runs eagerly, as it would with no compiler, and the calls it makes with it."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # (a torch without per-code strategies: nothing to mark)
+        return function
+    skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    set_code_exec_strategy(function.__code__, skip)
+    return function
 
 
 def structural_copy(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> nn.Module:
@@ -229,6 +251,16 @@ def _init_converted_subclass(sub: type, **kwargs: Any) -> None:
         sub.__call__ = _converted_call  # type: ignore[method-assign]
 
 
+def _converted_new(cls: type[nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
+    """``__new__`` of a converted class: called to make a module (``type(converted)(4,
+    4)``; a registry the user's ``__init_subclass__`` filled with it, which receives it
+    as it receives any subclass), it makes a module of the user's class, as that class
+    makes it. Conversion converts the modules that exist; a new one is unconverted, as a
+    module added to the original would be. (Not an instance of the converted class, so
+    ``type.__call__`` does not run ``__init__`` a second time.)"""
+    return cls._mixprec_user_class(*args, **kwargs)  # type: ignore[attr-defined]
+
+
 def _converted_reduce_ex(self: nn.Module, protocol: Any) -> Any:
     """Pickle and ``copy.deepcopy`` a converted module as its user's class (the converted
     class is made again, by :func:`converted_class`, where it is loaded; the forward's
@@ -303,6 +335,7 @@ def converted_class(cls: type[nn.Module], key: str | None = None) -> type[nn.Mod
     if converted is None:
         body: dict[str, Any] = {
             "forward": _ConvertedForward(),
+            "__new__": staticmethod(_converted_new),
             "__reduce_ex__": _converted_reduce_ex,
             "__setstate__": _converted_setstate,
             "__init_subclass__": classmethod(_init_converted_subclass),
@@ -361,6 +394,7 @@ class HookedCall:
     """A converted forward whose calls take ``nn.Module._call_impl`` (hooks, then the
     module's ``forward``: this object's ``__call__``)."""
 
+    @eager_call
     def call_impl(self, module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         return nn.Module._call_impl(module, *args, **kwargs)
 
