@@ -451,3 +451,48 @@ def test_compiled_weights_read_outside_a_converted_call_are_the_parameters(level
     assert weight.dtype == torch.float32
     expected = converted(x).sum() + model[0].weight.square().sum()
     torch.testing.assert_close(loss, expected)
+
+
+class _MixesOperands(nn.Module):
+    """Code that mixes float32 operands with low activations where the mixed-operand rule
+    applies: the root's (a float32 buffer in a matmul), a floating-buffer holder's, a loss
+    module's (low logits: the loss runs in float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("proj", torch.randn(4, 4))
+        self.inner = _HoldsBuffer()
+        self.loss = nn.CrossEntropyLoss()
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.inner(self.fc(x) @ self.proj)
+        return h, self.loss(h, target)
+
+
+class _HoldsBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) @ self.scale
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_compiled_mixed_operands_follow_the_rule_as_eagerly(level: str) -> None:
+    """Compiled, the conversion's mixed-operand mode is on in the code where its eager call
+    has it (the root's, a floating-buffer holder's, a loss module's) and set aside in every
+    other module's: the same ops in the same dtypes, no graph break. (Compiled, no mode
+    ran: the root's bfloat16 @ float32 matmul failed, and a loss ran in bfloat16.)"""
+    torch.manual_seed(0)
+    converted = amp.auto_mixed_precision(_MixesOperands(), level, "bf16")
+    x, target = torch.randn(3, 4), torch.tensor([0, 2, 1])
+    want = converted(x, target)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(converted)(x, target)
+    assert explanation.graph_break_count == 0
+    got = torch.compile(converted, backend="eager")(x, target)
+    assert [t.dtype for t in got] == [t.dtype for t in want] == [torch.float32] * 2
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

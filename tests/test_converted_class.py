@@ -349,3 +349,22 @@ def test_a_converted_class_called_makes_a_module_of_the_users_class(level: str) 
     assert type(plugin) is _Plugin
     assert torch.equal(plugin(x), plugin.linear(x))
     assert _REGISTRY["_Plugin"] is type(converted[1])  # (what the registry received)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_converted_class_made_empty_stays_converted(level: str) -> None:
+    """Copies that make an empty module with ``__new__`` and fill it (``copy.deepcopy`` of
+    a parametrized module, ``DataParallel``'s replicas) keep the converted class: only a
+    module made by calling the class (its ``__init__``) is the user's."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    converted = amp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), level, "bf16"
+    )
+    nn.utils.parametrizations.weight_norm(converted[0])
+    twin = copy.deepcopy(converted)
+    assert torch.equal(twin(x), converted(x))
+    layer = converted[1]
+    replica = layer._replicate_for_data_parallel()  # (its tensors are set by replicate())
+    assert type(replica) is type(layer)
+    assert replica.__dict__["_mixprec_forward"] is layer.__dict__["_mixprec_forward"]

@@ -413,12 +413,48 @@ def test_mixed_operands_follow_autocast_rules(level: str, dtype: torch.dtype) ->
 # ------------------------------------------------------------------ 7. export and compile
 
 
-@pytest.mark.parametrize("level", LEVELS)
-def test_export_matches_eager(level: str) -> None:
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("level", ["O1", "autocast", *LEVELS])
+def test_export_matches_eager(level: str, strict: bool) -> None:
+    """Non-strict ``torch.export`` runs the eager path; strict export traces with
+    TorchDynamo and takes the compiled path (it traced the eager one and failed: "Read
+    uninitialized cell")."""
     converted = amp.auto_mixed_precision(_net().eval(), level, torch.bfloat16)
     x = torch.randn(3, 8)
-    exported = torch.export.export(converted, (x,))
-    assert torch.equal(exported.module()(x), converted(x))
+    exported = torch.export.export(converted, (x,), strict=strict)
+    if strict and level == "O1":  # (export's decomposed linear rounds its bias add apart)
+        torch.testing.assert_close(exported.module()(x), converted(x), rtol=0.01, atol=0.01)
+    else:
+        assert torch.equal(exported.module()(x), converted(x))
+
+
+@pytest.mark.parametrize("level", ["O1", "autocast", *LEVELS])
+def test_symbolic_trace_is_refused_and_a_traced_original_converts(level: str) -> None:
+    """``torch.fx.symbolic_trace`` replaces a module's call with its own, where a
+    converted model makes its casts: tracing a converted model is refused with the way
+    out (it made a graph that computed in float32, or failed on mixed dtypes). A traced
+    original (a ``GraphModule``, whose class is its own) converts at every level, eagerly
+    and compiled (its copy lacked the class's ``forward``)."""
+    torch.manual_seed(0)
+    model = _net().eval()
+    converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+    with pytest.raises(TypeError, match="Trace the original and convert the GraphModule"):
+        torch.fx.symbolic_trace(converted)
+    traced = amp.auto_mixed_precision(torch.fx.symbolic_trace(model), level, torch.bfloat16)
+    x = torch.randn(3, 8)
+    assert torch.equal(traced(x), converted(x))
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(traced, backend="eager")(x), converted(x))
+
+
+@pytest.mark.parametrize("level", ["O1", "autocast", *LEVELS])
+def test_an_uninitialized_lazy_module_is_refused(level: str) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.LazyLinear(4))
+    with pytest.raises(ValueError, match=r"lazy modules .* \('1'\).*Run one forward"):
+        amp.auto_mixed_precision(model, level, torch.bfloat16)
+    model(torch.randn(2, 8))  # initialized: a plain nn.Linear now
+    converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
+    assert converted(torch.randn(2, 8)).shape == (2, 4)
 
 
 @needs_compile

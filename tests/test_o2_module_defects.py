@@ -500,3 +500,27 @@ def test_a_write_into_a_cast_argument_below_the_root_reaches_the_callers_tensor(
     assert torch.equal(total, want_total)
     assert torch.equal(first, want_first)
     torch.testing.assert_close(y, want_y, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_root_recurrent_layer_casts_what_its_containers_hold(level: str, compiled: bool) -> None:
+    """A recurrent layer at the root is the layer that uses its state ``(h0, c0)`` and a
+    ``PackedSequence``'s data: they are cast as a nested layer's are (the root casts only
+    top-level tensors, which left the LSTM mixing bfloat16 with float32: an error)."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 3, batch_first=True)
+    x = torch.randn(2, 5, 4)
+    state = (torch.randn(1, 2, 3), torch.randn(1, 2, 3))
+    converted = amp.auto_mixed_precision(lstm, level, "bf16")
+    run = torch.compile(converted, backend="eager") if compiled else converted
+    torch._dynamo.reset()
+    for args in ((x, state), (pack_padded_sequence(x, torch.tensor([5, 3]), batch_first=True),)):
+        got, want = run(*args), lstm(*args)
+        out, (h, c) = got
+        out = getattr(out, "data", out)
+        assert {out.dtype, h.dtype, c.dtype} == {torch.float32}
+        torch.testing.assert_close(out, getattr(want[0], "data", want[0]), rtol=0.05, atol=0.05)
+        torch.testing.assert_close(c, want[1][1], rtol=0.05, atol=0.05)

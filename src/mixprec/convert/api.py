@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from mixprec._check import require_module
 from mixprec._warn import warn
@@ -67,6 +68,20 @@ def check_network(network: object, level: Level = Level.O0) -> nn.Module:
             "Convert the original (unconverted) module instead."
         )
     if level is not Level.O0:
+        lazy = [
+            name or "(the network itself)"
+            for name, module in network.named_modules()
+            if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params()  # type: ignore[misc]
+        ]
+        if lazy:
+            raise ValueError(
+                f"network holds lazy modules whose parameters are not initialized yet "
+                f"({', '.join(repr(n) for n in lazy[:4])}{', ...' if len(lazy) > 4 else ''}): "
+                "their first call creates their weights and changes their class, which a "
+                f"model converted at level {level.value!r} (a copy with classes of its own) "
+                "cannot follow. Run one forward of the model on an example batch before "
+                "converting (it initializes them), as DDP and optimizers need too"
+            )
         for name, p in network.named_parameters():
             if p.dtype in (torch.float16, torch.bfloat16):
                 raise ValueError(

@@ -110,12 +110,11 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def _tracing() -> bool:
-    """Under ``torch.compile`` (TorchDynamo), which graph-breaks on thread-local state and
-    on entering a mode: weights are cast at each read, inside the graph, and mixed
-    operands are not rewritten. ``torch.export`` (non-strict) runs the eager path.
-    (``is_dynamo_compiling``: TorchDynamo's own flag, one Python call where
-    ``is_compiling`` makes two; the same answer here, as non-strict export is excluded.)"""
-    return torch.compiler.is_dynamo_compiling() and not torch.compiler.is_exporting()
+    """Under TorchDynamo (``torch.compile``, strict ``torch.export``), which graph-breaks
+    on thread-local state and on entering a mode: weights are cast at each read, inside
+    the graph, and mixed operands are not rewritten. Non-strict ``torch.export`` (not
+    TorchDynamo) runs the eager path."""
+    return torch.compiler.is_dynamo_compiling()
 
 
 def _version(tensor: torch.Tensor) -> int:
@@ -348,6 +347,11 @@ class _Spec(NamedTuple):
     #: is of its converted class exactly (the call's ``exact``: FSDP2's ``fully_shard``
     #: and ``register_parametrization`` make other classes over it)
     direct: bool
+    #: its own code runs under the mixed-operand rule inside a call (a loss module; one
+    #: that held floating buffers at conversion), as :meth:`ModuleCall.call_impl` decides
+    mixes: bool
+    #: PyTorch's forward of a class with a fused fast path (no mode in its own code)
+    fast_path: bool
 
 
 class _Facts(NamedTuple):
@@ -405,11 +409,6 @@ class LowParameters(dict[str, Any]):
         if value is None:
             return value
         if _dynamo_compiling():  # (non-strict export: the eager path)
-            if torch.compiler.is_exporting():
-                frame = self.state.frame()
-                if name in self.kept or frame is None:
-                    return value
-                return self.state.low(value, frame)
             kept, dtype = compiled_facts(self.facts_key)
             if name in kept or not is_castable(value) or not _COMPILED.in_call:
                 return value
@@ -718,6 +717,9 @@ class _CompiledState:
 
     def __init__(self) -> None:
         self.in_call = False  # (an instance attribute: read through the object's dict)
+        #: whether the conversion's mode (:class:`MixedOperands`) is on in the code
+        #: running now (compiled, it is pushed and set aside as eagerly: _compiled_call)
+        self.mixing = False
 
 
 _COMPILED = _CompiledState()
@@ -745,7 +747,7 @@ def _compiled_call(
     spec = facts.spec
     if not hooked and ("forward" in module.__dict__ or hooked_compiled(module)):
         return nn.Module._call_impl(module, *args, **kwargs)
-    if spec.root and spec.cast is not None:
+    if spec.root and spec.cast is not None and not spec.view:
         dtype = spec.cast
         args = tuple(_cast_top(v, dtype, {}) for v in args)
         kwargs = {k: _cast_top(v, dtype, {}) for k, v in kwargs.items()}
@@ -758,41 +760,79 @@ def _compiled_call(
         else:  # (no tree walk: TorchDynamo would guard each step of it)
             args = tuple(_cast_top(v, dtype, {}) for v in args)
     before = _COMPILED.in_call
+    active = _COMPILED.mixing if before else False  # (outside every call: no mode)
+    # the mixed-operand rule in the module's own code where its eager call has it: the
+    # entry's (the root, a submodule called directly; not a fused fast path's, which any
+    # mode turns off), a loss module's and a floating-buffer holder's (call_impl's rule)
+    mixing = spec.mixes if before else not spec.fast_path
     _COMPILED.in_call = True
+    _COMPILED.mixing = mixing
     try:
-        if spec.float32 and _outer_autocast():
-            out = _without_autocast(_called(module, call), args, kwargs)
-        elif spec.inner or spec.view:  # (a view: its flat weights are set on a per-call view)
-            out = _called(module, call)._plain(args, kwargs)
+        if mixing is active:
+            out = _compiled_body(module, spec, args, kwargs, call, exact)
+        elif mixing:
+            with MixedOperands(spec.low):
+                out = _compiled_body(module, spec, args, kwargs, call, exact)
         else:
-            cls = owner(spec.cls)
-            forward = cls.forward  # (guarded once per class: a class patched later retraces)
-            if (
-                spec.direct
-                and len(args) == 1
-                and not kwargs
-                and forward is _TORCH_FORWARDS[cls]
-                and exact
-            ):
-                # (its forward's one call; ``_parameters`` as an attribute, not through
-                # ``module.__dict__``: a guard-tree node per module, see ``_converted_call``)
-                params: dict[str, Any] = module._parameters
-                weight = dict.__getitem__(params, "weight")
-                bias = dict.get(params, "bias")
-                if cls is nn.Embedding and module.max_norm is not None:
-                    _renorm(module, args[0], weight)
-                out = _one_call(
-                    cls,
-                    module,
-                    args[0],
-                    to_dtype(weight, spec.low),
-                    None if bias is None else to_dtype(bias, spec.low),
-                )
-            else:
-                out = forward(module, *args, **kwargs)
+            out = _set_aside(module, spec, args, kwargs, call, exact)
     finally:
         _COMPILED.in_call = before
+        _COMPILED.mixing = active
     return out if spec.output is None else cast_compiled(out, spec.output)
+
+
+def _set_aside(
+    module: nn.Module,
+    spec: _Spec,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    call: ModuleCall | None,
+    exact: bool,
+) -> Any:
+    """:func:`_compiled_body` with the conversion's mode, on top of the torch-function
+    mode stack, set aside (as :meth:`ModuleCall._moded` sets it aside eagerly; another
+    mode above it, the model's own, is left be)."""
+    depth = torch._C._len_torch_function_stack()
+    if not depth or not isinstance(torch._C._get_function_stack_at(depth - 1), MixedOperands):
+        return _compiled_body(module, spec, args, kwargs, call, exact)
+    mode = torch._C._pop_torch_function_stack()
+    try:
+        return _compiled_body(module, spec, args, kwargs, call, exact)
+    finally:
+        torch._C._push_on_torch_function_stack(mode)
+
+
+def _compiled_body(
+    module: nn.Module,
+    spec: _Spec,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    call: ModuleCall | None,
+    exact: bool,
+) -> Any:
+    """A compiled call's own code, on its cast arguments (:func:`_compiled_call`)."""
+    if spec.float32 and _outer_autocast():
+        return _without_autocast(_called(module, call), args, kwargs)
+    if spec.inner or spec.view:  # (a view: its flat weights are set on a per-call view)
+        return _called(module, call)._plain(args, kwargs)
+    cls = owner(spec.cls)
+    forward = cls.forward  # (guarded once per class: a class patched later retraces)
+    if spec.direct and len(args) == 1 and not kwargs and forward is _TORCH_FORWARDS[cls] and exact:
+        # (its forward's one call; ``_parameters`` as an attribute, not through
+        # ``module.__dict__``: a guard-tree node per module, see ``_converted_call``)
+        params: dict[str, Any] = module._parameters
+        weight = dict.__getitem__(params, "weight")
+        bias = dict.get(params, "bias")
+        if cls is nn.Embedding and module.max_norm is not None:
+            _renorm(module, args[0], weight)
+        return _one_call(
+            cls,
+            module,
+            args[0],
+            to_dtype(weight, spec.low),
+            None if bias is None else to_dtype(bias, spec.low),
+        )
+    return forward(module, *args, **kwargs)
 
 
 def _called(module: nn.Module, call: ModuleCall | None) -> ModuleCall:
@@ -953,6 +993,9 @@ class ModuleCall:
             low=self.state.dtype,
             cls=register(self.cls),
             direct=self._direct_table() is not None,
+            mixes=not self.island
+            and (self.loss or (self.buffers_mix and _floating(self.module._buffers))),
+            fast_path=self.fast_path,
         )
 
     def _direct_table(self) -> LowParameters | None:
@@ -1000,14 +1043,9 @@ class ModuleCall:
         call: ModuleCall | None,
         exact: bool,
     ) -> Any:
-        """Under ``torch.compile`` (:func:`_compiled_call`; exporting: the eager call).
-        ``exact``: the module is of its converted class exactly, whose key is its own
-        (:func:`~mixprec.convert.structure.converted_class`)."""
-        if torch.compiler.is_exporting():
-            forward = _called(module, call)
-            if hooked:
-                kwargs = {**kwargs, "_mixprec_hooked": True}
-            return forward.call_impl(module, *args, **kwargs)
+        """Under TorchDynamo (``torch.compile``, strict ``torch.export``):
+        :func:`_compiled_call`. ``exact``: the module is of its converted class exactly,
+        whose key is its own (:func:`~mixprec.convert.structure.converted_class`)."""
         return _compiled_call(module, facts, args, kwargs, hooked, call, exact)
 
     @property
@@ -1242,8 +1280,10 @@ class ModuleCall:
             # reads there (what ``remove_parametrizations`` writes back to the original)
             return self._plain(args, kwargs)
         given: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (see cast_pairs)
-        if self.root:
-            dtype = self.input_dtype
+        # (a recurrent root is the layer that uses what its containers hold, ``(h0, c0)``
+        # or a ``PackedSequence``: its arguments are cast as a nested layer's are)
+        dtype = self.input_dtype if self.root else self.dtype
+        if dtype is not None and self.root and not self.special:
             casts: dict[int, torch.Tensor] = {}
             cast_pos = tuple(_cast_top(value, dtype, casts) for value in args)
             cast_kwargs = {name: _cast_top(v, dtype, casts) for name, v in kwargs.items()}
@@ -1258,11 +1298,11 @@ class ModuleCall:
                     if cast is not leaf and (version := _version(cast)) != -1
                 ]
             args, kwargs = cast_pos, cast_kwargs
-        elif self.dtype is not None and not self._fused(args, kwargs):
+        elif dtype is not None and not self._fused(args, kwargs):
             if torch.compiler.is_compiling():  # no torch-function state inside a graph
-                args, kwargs = cast_tree((args, kwargs), self.dtype)
+                args, kwargs = cast_tree((args, kwargs), dtype)
             else:
-                cast_pos, cast_kwargs = cast_args(args, kwargs, self.dtype)
+                cast_pos, cast_kwargs = cast_args(args, kwargs, dtype)
                 if cast_pos is not args or cast_kwargs is not kwargs:
                     given = cast_pairs((args, kwargs), (cast_pos, cast_kwargs))
                 args, kwargs = cast_pos, cast_kwargs

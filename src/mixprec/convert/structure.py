@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.compiler import is_dynamo_compiling as _dynamo_compiling
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.nn.modules import module as module_hooks
 from torch.nn.utils import parametrize
 
@@ -112,6 +113,10 @@ def structural_copy(module: nn.Module, memo: dict[int, nn.Module] | None = None)
         name: None if child is None else structural_copy(child, memo)
         for name, child in module._modules.items()
     }
+    if isinstance(new, torch.fx.GraphModule):
+        # ``GraphModule.__new__`` made the copy a class of its own, which ``recompile``
+        # gives its ``forward`` (the same code, from the same graph)
+        new.recompile()
     return new
 
 
@@ -173,8 +178,19 @@ class _ConvertedForward:
 
     def __get__(self, module: nn.Module | None, cls: type | None = None) -> Any:
         if module is None:
+            if is_fx_symbolic_tracing():  # (``symbolic_trace`` reads the root's class's forward)
+                raise TypeError(_FX_REFUSAL.format(name=cls.__name__))  # type: ignore[union-attr]
             return cls._mixprec_user_class.forward  # type: ignore[union-attr]
         return module.__dict__[FORWARD_SLOT]
+
+
+_FX_REFUSAL = (
+    "mixprec: torch.fx.symbolic_trace cannot trace a converted model ({name}): its casts "
+    "are made in its modules' calls, which symbolic tracing replaces with its own, so the "
+    "graph would not compute what the model computes. Trace the original and convert "
+    "the GraphModule (mixprec.auto_mixed_precision(torch.fx.symbolic_trace(model), ...)), "
+    "or capture the converted model with torch.export.export or torch.compile."
+)
 
 
 def _converted_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -251,14 +267,18 @@ def _init_converted_subclass(sub: type, **kwargs: Any) -> None:
         sub.__call__ = _converted_call  # type: ignore[method-assign]
 
 
-def _converted_new(cls: type[nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
-    """``__new__`` of a converted class: called to make a module (``type(converted)(4,
+def _converted_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """``__init__`` of a converted class: a module made by calling it (``type(converted)(4,
     4)``; a registry the user's ``__init_subclass__`` filled with it, which receives it
-    as it receives any subclass), it makes a module of the user's class, as that class
-    makes it. Conversion converts the modules that exist; a new one is unconverted, as a
-    module added to the original would be. (Not an instance of the converted class, so
-    ``type.__call__`` does not run ``__init__`` a second time.)"""
-    return cls._mixprec_user_class(*args, **kwargs)  # type: ignore[attr-defined]
+    as it receives any subclass) is made by the user's class's ``__init__`` and is then
+    of the user's class: unconverted, as any module the user makes. (``__new__`` is left
+    alone: ``copy.deepcopy`` of a parametrized module and ``DataParallel``'s replicas make
+    an empty module of the converted class with it, and fill it.)"""
+    cls = type(self)
+    user = cls._mixprec_user_class  # type: ignore[attr-defined]
+    user.__init__(self, *args, **kwargs)
+    if cls._mixprec_exact is cls:  # type: ignore[attr-defined]  # (not a class made over it)
+        self.__class__ = user
 
 
 def _converted_reduce_ex(self: nn.Module, protocol: Any) -> Any:
@@ -335,7 +355,7 @@ def converted_class(cls: type[nn.Module], key: str | None = None) -> type[nn.Mod
     if converted is None:
         body: dict[str, Any] = {
             "forward": _ConvertedForward(),
-            "__new__": staticmethod(_converted_new),
+            "__init__": _converted_init,
             "__reduce_ex__": _converted_reduce_ex,
             "__setstate__": _converted_setstate,
             "__init_subclass__": classmethod(_init_converted_subclass),
