@@ -496,3 +496,37 @@ def test_compiled_mixed_operands_follow_the_rule_as_eagerly(level: str) -> None:
     got = torch.compile(converted, backend="eager")(x, target)
     assert [t.dtype for t in got] == [t.dtype for t in want] == [torch.float32] * 2
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+class _CompilesInner(nn.Module):
+    def __init__(self, compiled: bool) -> None:
+        super().__init__()
+        inner = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.LayerNorm(4))
+        self.inner = torch.compile(inner, backend="eager") if compiled else inner
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_submodule_compiled_before_conversion_stays_compiled(level: str) -> None:
+    """A submodule the user compiled (``torch.compile(module)``: an ``OptimizedModule``)
+    is copied as the copy of the module it compiles, compiled as it was: it computes as
+    the same model converted uncompiled, through TorchDynamo. (Its copy kept a ``forward``
+    bound to the original module: ``'Sequential' object has no attribute '0'``.)"""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    plain = amp.auto_mixed_precision(_CompilesInner(False), level, "bf16")
+    torch.manual_seed(0)
+    model = _CompilesInner(True)
+    converted = amp.auto_mixed_precision(model, level, "bf16")
+    assert converted.state_dict().keys() == model.state_dict().keys()
+    x = torch.randn(3, 4)
+    torch._dynamo.reset()
+    counters.clear()
+    assert torch.equal(converted(x), plain(x))
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert converted.inner._orig_mod is not model.inner._orig_mod
+    assert converted.inner._orig_mod[0].weight is model.inner._orig_mod[0].weight

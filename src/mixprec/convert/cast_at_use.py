@@ -817,14 +817,15 @@ def _compiled_body(
         return _called(module, call)._plain(args, kwargs)
     cls = owner(spec.cls)
     forward = cls.forward  # (guarded once per class: a class patched later retraces)
+    if cls is nn.Embedding and _renorms(module, cls, forward):
+        lookup = args[0] if args else kwargs["input"]
+        return _renormed_lookup(module, lookup, spec.low if _COMPILED.in_call else None)
     if spec.direct and len(args) == 1 and not kwargs and forward is _TORCH_FORWARDS[cls] and exact:
         # (its forward's one call; ``_parameters`` as an attribute, not through
         # ``module.__dict__``: a guard-tree node per module, see ``_converted_call``)
         params: dict[str, Any] = module._parameters
         weight = dict.__getitem__(params, "weight")
         bias = dict.get(params, "bias")
-        if cls is nn.Embedding and module.max_norm is not None:
-            _renorm(module, args[0], weight)
         return _one_call(
             cls,
             module,
@@ -839,6 +840,44 @@ def _called(module: nn.Module, call: ModuleCall | None) -> ModuleCall:
     """Under ``torch.compile``: the ``ModuleCall`` a call runs (``call``, else the
     module's own), where a call needs more of it than its facts."""
     return forward_of(module) if call is None else call
+
+
+def _renorms(module: nn.Module, cls: type[nn.Module], forward: Any) -> bool:
+    """Whether a call of ``module`` (of class ``cls``, whose ``forward`` is ``forward``)
+    is an ``nn.Embedding`` lookup with ``max_norm`` whose weight reads low: its rows are
+    renormalised in the stored weight before the cast (:func:`_renormed_lookup`)."""
+    return (
+        cls is nn.Embedding
+        and getattr(module, "max_norm", None) is not None
+        and forward is _TORCH_FORWARDS.get(cls)
+        and type(params := module._parameters) is LowParameters
+        and "weight" not in params.kept
+    )
+
+
+def _renormed_lookup(
+    module: Any, x: torch.Tensor, dtype: torch.dtype | None, frame: _Frame | None = None
+) -> Any:
+    """An ``nn.Embedding`` lookup with ``max_norm`` in a converted call, whatever the path
+    to it (a keyword argument, a hook, the root, a weight a call has cast already): the
+    rows renormalised in the stored float32 weight (:func:`_renorm`), then looked up in a
+    cast of it made now (``dtype``; None: the weight as it is), with no ``max_norm`` of
+    its own (:func:`_one_call`). Eagerly (``frame``) the cast is the call's: one made
+    before the renorm (a tied head read the weight first) is made again, so every read
+    after it sees the renormalised rows, as the original's reads do."""
+    stored = dict.__getitem__(module._parameters, "weight")
+    _renorm(module, x, stored)
+    if dtype is None or stored.dtype == dtype:
+        weight = stored
+    elif frame is None:  # (compiled: a read casts afresh)
+        weight = to_dtype(stored, dtype)
+    else:
+        hit = frame.casts.get(id(stored))
+        if hit is not None and hit[0] is stored:
+            weight = _recast(frame, stored, hit, dtype)
+        else:
+            weight = _cast_for(frame, stored, dtype)
+    return _one_call(nn.Embedding, module, x, weight, None)
 
 
 def _renorm(module: Any, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -1117,13 +1156,13 @@ class ModuleCall:
                     moded = frame.active  # (the mode set aside for its own code)
                 if moded:
                     out = self._moded(frame, not frame.active, args, kwargs, self._code)
-                elif (
-                    self.direct is not None
-                    and len(args) == 1
-                    and not kwargs
-                    and (out := self._direct(module, frame, args[0])) is not NotImplemented
-                ):
-                    pass  # (:meth:`_code`, inline: the hot call)
+                elif self.direct is not None:  # (:meth:`_code`, inline: the hot call)
+                    if (
+                        len(args) != 1
+                        or kwargs
+                        or (out := self._direct(module, frame, args[0])) is NotImplemented
+                    ):
+                        out = self._plain(args, kwargs)
                 elif self.inner is not None:
                     out = self.inner(*args, **kwargs)
                 else:
@@ -1166,6 +1205,8 @@ class ModuleCall:
             or type(x) is not torch.Tensor
         ):
             return NotImplemented
+        if embedding and module.max_norm is not None:  # (renormalised, then cast)
+            return _renormed_lookup(module, x, self.state.dtype, frame)
         weight = dict.__getitem__(params, "weight")
         bias = None if embedding else dict.__getitem__(params, "bias")
         casts = frame.casts
@@ -1176,8 +1217,6 @@ class ModuleCall:
         ):
             return NotImplemented  # (LowParameters.__getitem__ decides: a tied weight)
         dtype = self.state.dtype
-        if embedding and module.max_norm is not None:
-            _renorm(module, x, weight)
         weight = _cast_for(frame, weight, dtype)
         if bias is not None:
             bias = _cast_for(frame, bias, dtype)
@@ -1352,6 +1391,11 @@ class ModuleCall:
         if self.inner is not None:
             return self.inner(*args, **kwargs)
         module = self.module
+        if self.cls is nn.Embedding and _renorms(module, self.cls, self.cls.forward):
+            frame = self.state.frame()
+            lookup = args[0] if args else kwargs["input"]
+            dtype = None if frame is None else self.state.dtype
+            return _renormed_lookup(module, lookup, dtype, frame)
         if isinstance(module, nn.RNNBase) and isinstance(module._parameters, LowParameters):
             view = self.cls.__new__(self.cls)
             view.__dict__.update(module.__dict__)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.compiler import is_dynamo_compiling as _dynamo_compiling
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.nn.modules import module as module_hooks
@@ -92,6 +93,12 @@ def structural_copy(module: nn.Module, memo: dict[int, nn.Module] | None = None)
     memo = {} if memo is None else memo
     if id(module) in memo:
         return memo[id(module)]
+    if isinstance(module, OptimizedModule):  # a submodule the user compiled: its copy is
+        # the copy of the module it compiles, compiled as it was (its ``forward`` is bound
+        # to the module it was made for)
+        wrapped = OptimizedModule(structural_copy(module._orig_mod, memo), module.dynamo_ctx)
+        memo[id(module)] = wrapped
+        return wrapped
     cls = type(module)
     new = cls.__new__(cls)
     state = dict(module.__dict__)
