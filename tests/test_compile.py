@@ -530,3 +530,47 @@ def test_a_submodule_compiled_before_conversion_stays_compiled(level: str) -> No
     assert counters["stats"]["unique_graphs"] >= 1
     assert converted.inner._orig_mod is not model.inner._orig_mod
     assert converted.inner._orig_mod[0].weight is model.inner._orig_mod[0].weight
+
+
+class _OwnCall(nn.Module):
+    """A layer whose class has a ``__call__`` of its own that calls ``nn.Module``'s (as
+    transformers' ``GradientCheckpointingLayer`` does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return super().__call__(*args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def _python_guards(model: nn.Module, x: torch.Tensor) -> int:
+    """How many guards of ``model(x)`` compiled TorchDynamo checks in Python (lambda
+    guards: each object reached by two paths is one)."""
+    run = types.FunctionType(_run_model.__code__.replace(), _run_model.__globals__, "_run")
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.compile(run, backend="eager")(model, x)
+    (entry,) = _debug_get_cache_entry_list(run.__code__)
+    return str(entry.guard_manager).count("LAMBDA_GUARD")
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_class_with_its_own_call_adds_no_python_guard_per_module(level: str) -> None:
+    """A class with a ``__call__`` of its own keeps it; the ``nn.Module.__call__`` it calls
+    reads the converted class's ``_call_impl``. (It was a slot of each module's, a partial
+    holding the module, which TorchDynamo reached the module through a second time: one
+    guard per module, checked in Python.)"""
+    x = torch.randn(2, 4)
+    extra = []
+    for count in (2, 5):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(_OwnCall() for _ in range(count)))
+        converted = amp.auto_mixed_precision(model, level, "bf16")
+        extra.append(_python_guards(converted, x) - _python_guards(model, x))
+        assert torch.equal(torch.compile(converted, backend="eager")(x), converted(x))
+    assert extra[0] == extra[1]  # (none per module)

@@ -268,10 +268,11 @@ def _init_converted_subclass(sub: type, **kwargs: Any) -> None:
     its own modules compute with)."""
     base = next(c for c in sub.__mro__[1:] if "_mixprec_user_class" in c.__dict__)
     super(base, sub).__init_subclass__(**kwargs)  # type: ignore[arg-type]
-    if "__call__" in base.__dict__ and sub.__call__ is base.__dict__["__call__"]:
-        # (its calls would reach the converted class's own: a class between them that
-        # defines ``__call__``, a mixin's, keeps it, as it would over the user's class)
-        sub.__call__ = _converted_call  # type: ignore[method-assign]
+    for name in ("__call__", "_call_impl"):
+        if name in base.__dict__ and getattr(sub, name) is base.__dict__[name]:
+            # (its calls would reach the converted class's own: a class between them that
+            # defines one, a mixin's, keeps it, as it would over the user's class)
+            setattr(sub, name, _converted_call)
 
 
 def _converted_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -351,8 +352,8 @@ def converted_class(cls: type[nn.Module], key: str | None = None) -> type[nn.Mod
     per module, where every instance slot (a ``forward``, a ``_call_impl``, a key) would
     be guarded besides. ``isinstance(converted, cls)`` holds; ``type(converted)`` is this
     class (as it is a class of its own for a module sharded by FSDP2's ``fully_shard``).
-    A class with a ``__call__`` of its own keeps it; its modules' ``_call_impl`` is
-    their forward object's (an instance slot)."""
+    A class with a ``__call__`` of its own keeps it, and ``nn.Module.__call__``, which it
+    calls, reads this class's ``_call_impl`` (the same call)."""
     passing = key in _PASSING_KEYS
     table: Any = _CONVERTED_PASSING if passing else _CONVERTED
     classes = table.get(cls)
@@ -371,8 +372,13 @@ def converted_class(cls: type[nn.Module], key: str | None = None) -> type[nn.Mod
             "__qualname__": cls.__qualname__,
             "__doc__": cls.__doc__,
         }
+        call = _converted_call if key is None else _keyed_call(key)
         if cls.__call__ is nn.Module.__call__:
-            body["__call__"] = _converted_call if key is None else _keyed_call(key)
+            body["__call__"] = call
+        else:  # (a ``__call__`` of its own, which calls ``nn.Module.__call__``: that reads
+            # ``_call_impl``, a method of this class's, not a slot of each module's, which
+            # TorchDynamo would reach the module through a second time: a guard per module)
+            body["_call_impl"] = call
         converted = types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(body))
         for name, value in body.items():  # (what a base's ``__init_subclass__`` rewrote:
             setattr(converted, name, value)  # transformers' layers wrap ``forward``)
@@ -447,11 +453,7 @@ def set_forward(module: nn.Module, forward: Any) -> None:
         module.__class__ = cls = _converted_class_of(module, cls, key)
     elif is_converted_exactly(module):
         module.__class__ = cls = converted_class(user, key)
-    if "__call__" not in cls.__dict__ and cls.__call__ is not _converted_call:
-        # (a class with a ``__call__`` of its own: ``nn.Module.__call__`` reads this)
-        slots["_call_impl"] = functools.partial(_converted_call, module)
-    else:
-        slots.pop("_call_impl", None)
+    slots.pop("_call_impl", None)  # (a slot of an older conversion's: now the class's)
 
 
 #: key -> a weak reference to an object a converted forward reads (see :func:`owner`), as

@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable
+from dataclasses import is_dataclass
 from typing import Any
 
 import torch
@@ -128,7 +129,10 @@ def _cast_known(tree: Any, dtype: torch.dtype) -> Any:
     if isinstance(tree, tuple) and hasattr(kind, "_fields"):  # a named tuple
         items = [_cast_known(v, dtype) for v in tree]
         return _MISSING if any(v is _MISSING for v in items) else kind(*items)
-    if kind is dict or (isinstance(tree, dict) and dataclasses.is_dataclass(tree)):
+    # (``is_dataclass`` a name of this module's: through the ``dataclasses`` module, a
+    # global of that function's too, TorchDynamo would guard in Python that both paths
+    # reach one module)
+    if kind is dict or (isinstance(tree, dict) and is_dataclass(tree)):
         cast = {k: _cast_known(v, dtype) for k, v in tree.items()}
         if any(v is _MISSING for v in cast.values()):
             return _MISSING
