@@ -185,7 +185,9 @@ class _ConvertedForward:
 
     def __get__(self, module: nn.Module | None, cls: type | None = None) -> Any:
         if module is None:
-            if is_fx_symbolic_tracing():  # (``symbolic_trace`` reads the root's class's forward)
+            # (``symbolic_trace`` reads the root's class's forward; never while TorchDynamo
+            # traces, whose own check would add guards)
+            if not _dynamo_compiling() and is_fx_symbolic_tracing():
                 raise TypeError(_FX_REFUSAL.format(name=cls.__name__))  # type: ignore[union-attr]
             return cls._mixprec_user_class.forward  # type: ignore[union-attr]
         return module.__dict__[FORWARD_SLOT]
