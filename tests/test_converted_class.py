@@ -368,3 +368,31 @@ def test_a_converted_class_made_empty_stays_converted(level: str) -> None:
     replica = layer._replicate_for_data_parallel()  # (its tensors are set by replicate())
     assert type(replica) is type(layer)
     assert replica.__dict__["_mixprec_forward"] is layer.__dict__["_mixprec_forward"]
+
+
+class _NewTakesArguments(nn.Module):
+    """A class whose ``__new__`` takes the constructor's arguments."""
+
+    def __new__(cls, width: int) -> _NewTakesArguments:
+        made = super().__new__(cls)
+        made.tag = f"made {width}"
+        return made
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_class_whose_new_takes_arguments_converts(level: str) -> None:
+    """The structural copy makes a module of a class whose ``__new__`` takes arguments
+    without calling it (``Odd.__new__() missing 1 required positional argument``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_NewTakesArguments(4))
+    converted = amp.auto_mixed_precision(model, level, "bf16")
+    x = torch.randn(2, 4)
+    assert converted[0].tag == "made 4"
+    torch.testing.assert_close(converted(x).float(), model(x), rtol=0.02, atol=0.02)

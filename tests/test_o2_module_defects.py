@@ -524,3 +524,41 @@ def test_a_root_recurrent_layer_casts_what_its_containers_hold(level: str, compi
         assert {out.dtype, h.dtype, c.dtype} == {torch.float32}
         torch.testing.assert_close(out, getattr(want[0], "data", want[0]), rtol=0.05, atol=0.05)
         torch.testing.assert_close(c, want[1][1], rtol=0.05, atol=0.05)
+
+
+class _SharedHead(nn.Module):
+    """``head`` is also ``blk.b.1``: one module in two places."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 4)
+        self.blk = nn.Sequential(nn.Sequential(nn.Linear(4, 4), self.head))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blk(x))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_shared_module_computes_in_one_precision_in_both_places(level: str) -> None:
+    """A module shared by a float32-pinned block and a low parent would compute in two
+    precisions: refused with the fix (it converted, then failed at the call on mixed
+    dtypes). Pinned at both names (every name of a shared module is accepted), it computes
+    in float32 in both places, casting its inputs up where its parent computes low."""
+    torch.manual_seed(0)
+    model = _SharedHead()
+    x = torch.randn(3, 4)
+    with pytest.raises(
+        ValueError, match=r"module '1' is the same module as '0.1'.*fp32_modules=\['0.1', '1'\]"
+    ):
+        amp.auto_mixed_precision(
+            nn.Sequential(model.blk[0], model.head), level, "bf16", fp32_modules=["0"]
+        )
+    with pytest.raises(ValueError, match="shared module computes in one precision"):
+        amp.auto_mixed_precision(model, level, "bf16", fp32_modules=["blk"])
+    converted = amp.auto_mixed_precision(model, level, "bf16", fp32_modules=["blk", "head"])
+    seen: list[torch.dtype] = []
+    converted.head.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+    out = converted(x)
+    assert out.dtype == torch.float32
+    assert seen == [torch.float32, torch.float32]
+    torch.testing.assert_close(out, model(x), rtol=0.02, atol=0.02)

@@ -89,14 +89,42 @@ class _Walk:
         self.rows = rows
         self.seen_modules: set[int] = set()
         self.seen_tensors: set[int] = set()
+        #: id(module) -> where it was converted and what it computes in there
+        self.places: dict[int, tuple[str, Precision]] = {}
+
+    def _agree(self, module: nn.Module, path: str, parent: Precision) -> None:
+        """A module reached a second time (shared: a tied layer, a block in two places)
+        computes in one precision: refuse one whose second place decides another, when it
+        holds weights (its call there would meet inputs of the other dtype)."""
+        first, precision = self.places[id(module)]
+        here = self.recipe.module_precision(module, path, parent)
+        if next(module.parameters(), None) is None:
+            return
+        if here is precision:
+            call = forward_of(module)
+            if precision is Precision.FP32 and parent is Precision.LOW and call.dtype is None:
+                # (converted under a float32 parent, it took its inputs as they came; here
+                # its parent computes low: it casts its inputs up, as an island does)
+                call.dtype = torch.float32
+                set_forward(module, call)  # (its decisions changed: their key too)
+            return
+        raise ValueError(
+            f"module {path or '(the network)'!r} is the same module as {first!r}, where it "
+            f"computes in {_name(precision, self.low)}; here it would compute in "
+            f"{_name(here, self.low)} (a float32 or low pin on one of its parents). A "
+            "shared module computes in one precision: pin it at both names "
+            f"(fp32_modules=[{first!r}, {path!r}] or low_modules=[...])"
+        )
 
     def visit(self, module: nn.Module, path: str, parent: Precision) -> None:
-        if id(module) in self.seen_modules or (
-            self.root is None and forward_of(module) is not None
-        ):
-            return  # (reached before; or, added to a converted model, a converted module)
+        if id(module) in self.seen_modules:
+            self._agree(module, path, parent)
+            return
+        if self.root is None and forward_of(module) is not None:
+            return  # (added to a converted model: a converted module keeps its conversion)
         self.seen_modules.add(id(module))
         precision = self.recipe.module_precision(module, path, parent)
+        self.places[id(module)] = (path, precision)
         dtype = self.low if precision is Precision.LOW else torch.float32
         cast_in: torch.dtype | None = None  # what the module casts its floating inputs to
         cast_out: torch.dtype | None = None  # what an island casts its outputs back to
@@ -172,6 +200,10 @@ class _Walk:
         for name, child in module._modules.items():
             if child is not None:
                 self.visit(child, qualified_name(path, name), precision)
+
+
+def _name(precision: Precision, low: torch.dtype) -> str:
+    return "float32" if precision is Precision.FP32 else dtype_name(low)
 
 
 def convert_added(parent: ModuleCall, name: str, child: nn.Module) -> None:

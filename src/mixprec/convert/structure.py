@@ -100,7 +100,10 @@ def structural_copy(module: nn.Module, memo: dict[int, nn.Module] | None = None)
         memo[id(module)] = wrapped
         return wrapped
     cls = type(module)
-    new = cls.__new__(cls)
+    try:
+        new = cls.__new__(cls)
+    except TypeError:  # (a ``__new__`` of the user's that takes arguments: its state is the
+        new = object.__new__(cls)  # dict copied next, as ``__new__`` left it)
     state = dict(module.__dict__)
     for key, value in module.__dict__.items():
         if "hooks" in key and isinstance(value, dict):

@@ -423,7 +423,7 @@ def _pin(argument: str, pins: Pins, network: nn.Module) -> ModulePin | None:
             f"{argument} must be a list of qualified module names or a function "
             f"(module, name) -> bool; got {pins!r}"
         )
-    names = dict(network.named_modules())
+    names = dict(network.named_modules(remove_duplicate=False))  # (a shared module's every name)
     paths = list(pins)
     for path in paths:
         if not isinstance(path, str):
