@@ -530,6 +530,11 @@ def test_a_submodule_compiled_before_conversion_stays_compiled(level: str) -> No
     assert counters["stats"]["unique_graphs"] >= 1
     assert converted.inner._orig_mod is not model.inner._orig_mod
     assert converted.inner._orig_mod[0].weight is model.inner._orig_mod[0].weight
+    # the whole converted model compiled: the wrapper unwrapped, as the original's is (a
+    # converted wrapper's call broke the graph at O2/O3)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(converted)(x).graph_break_count == 0
+    assert torch.equal(torch.compile(converted, backend="eager")(x), plain(x))
 
 
 class _OwnCall(nn.Module):
@@ -574,3 +579,33 @@ def test_a_class_with_its_own_call_adds_no_python_guard_per_module(level: str) -
         extra.append(_python_guards(converted, x) - _python_guards(model, x))
         assert torch.equal(torch.compile(converted, backend="eager")(x), converted(x))
     assert extra[0] == extra[1]  # (none per module)
+
+
+class _Slices(nn.Module):
+    """A forward that slices its containers (``self.__class__(...)`` of each: Llama's
+    ``self.layers[: config.num_hidden_layers]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4))
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[:2](x)
+        for layer in self.layers[:2]:
+            h = layer(h)
+        return h
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_container_sliced_in_a_forward_compiles_without_a_break(level: str) -> None:
+    """A converted container sliced in a forward makes a container of the user's class
+    (its converted class's ``__new__``, with arguments), which TorchDynamo traces as it
+    traces the original's: no graph break. (An ``__init__`` that re-classed the new
+    module broke the graph on its ``__class__`` assignment.)"""
+    torch.manual_seed(0)
+    converted = amp.auto_mixed_precision(_Slices(), level, "bf16")
+    x = torch.randn(3, 4)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(converted)(x).graph_break_count == 0
+    assert torch.equal(torch.compile(converted, backend="eager")(x), converted(x))

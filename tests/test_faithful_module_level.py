@@ -445,6 +445,8 @@ def test_symbolic_trace_is_refused_and_a_traced_original_converts(level: str) ->
     assert torch.equal(traced(x), converted(x))
     torch._dynamo.reset()
     assert torch.equal(torch.compile(traced, backend="eager")(x), converted(x))
+    traced.recompile()  # (made on the traced class: it set a forward and a __call__ on
+    assert torch.equal(traced(x), converted(x))  # the converted one that recursed)
 
 
 @pytest.mark.parametrize("level", ["O1", "autocast", *LEVELS])

@@ -676,6 +676,7 @@ def _explain_mixed(error: RuntimeError, dtype: torch.dtype, entry: nn.Module) ->
             name or "(the entry)"
             for name, module in entry.named_modules()
             if not isinstance(forward_of(module), ModuleCall)
+            and type(module).__name__ != "OptimizedModule"  # (left as it is: see _Walk)
         ]
         if added:
             note = (
@@ -957,6 +958,10 @@ class ModuleCall:
     run on a per-call view whose flat weights are the casts, so the shared module is never
     written.
     """
+
+    #: it holds the module it was made for: ``nn.DataParallel``'s replicas are refused
+    #: (:func:`~mixprec.convert.structure._converted_replicate`)
+    binds_its_module = True
 
     def __init__(
         self,

@@ -38,6 +38,7 @@ import itertools
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 from mixprec.convert import weight_hooks
 from mixprec.convert.cast_at_use import (
@@ -122,6 +123,13 @@ class _Walk:
             return
         if self.root is None and forward_of(module) is not None:
             return  # (added to a converted model: a converted module keeps its conversion)
+        if isinstance(module, OptimizedModule) and module is not self.root:
+            # a submodule the user compiled: the module it compiles converts, and the
+            # wrapper calls it, as the original's does (TorchDynamo, compiling the whole
+            # model, unwraps it: a converted wrapper's call would break the graph)
+            self.seen_modules.add(id(module))
+            self.visit(module._orig_mod, qualified_name(path, "_orig_mod"), parent)
+            return
         self.seen_modules.add(id(module))
         precision = self.recipe.module_precision(module, path, parent)
         self.places[id(module)] = (path, precision)

@@ -280,18 +280,60 @@ def _init_converted_subclass(sub: type, **kwargs: Any) -> None:
             setattr(sub, name, _converted_call)
 
 
+def _converted_new(cls: type[nn.Module], *args: Any, **kwargs: Any) -> Any:
+    """``__new__`` of a converted class. Called to make a module with arguments
+    (``type(converted)(4, 4)``, a container sliced in a forward, which makes
+    ``self.__class__(...)``; a registry the user's ``__init_subclass__`` filled with the
+    converted class, as it receives any subclass), it makes a module of the user's class,
+    as that class makes it: unconverted, as any module the user makes (not an instance
+    of ``cls``: ``type.__call__`` runs no ``__init__`` on it). With none (``copy.deepcopy``
+    of a parametrized module, ``DataParallel``'s replicas, which fill the module they
+    make; a constructor that takes no arguments), an empty module of ``cls``:
+    :func:`_converted_init` makes the latter the user's."""
+    user = cls._mixprec_user_class  # type: ignore[attr-defined]
+    if args or kwargs:
+        return user(*args, **kwargs)
+    return user.__new__(cls)
+
+
 def _converted_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-    """``__init__`` of a converted class: a module made by calling it (``type(converted)(4,
-    4)``; a registry the user's ``__init_subclass__`` filled with it, which receives it
-    as it receives any subclass) is made by the user's class's ``__init__`` and is then
-    of the user's class: unconverted, as any module the user makes. (``__new__`` is left
-    alone: ``copy.deepcopy`` of a parametrized module and ``DataParallel``'s replicas make
-    an empty module of the converted class with it, and fill it.)"""
+    """``__init__`` of a converted class, for a module made by calling it with no
+    arguments (:func:`_converted_new`): the user's class's ``__init__`` makes it, and it is
+    then of the user's class."""
     cls = type(self)
     user = cls._mixprec_user_class  # type: ignore[attr-defined]
     user.__init__(self, *args, **kwargs)
     if cls._mixprec_exact is cls:  # type: ignore[attr-defined]  # (not a class made over it)
         self.__class__ = user
+
+
+def _converted_replicate(self: nn.Module) -> nn.Module:
+    """``nn.DataParallel``'s replica of a converted module: refused where its forward
+    object holds the module it was made for (O2/O3: its replica would compute with that
+    module's weights, not the replica's copies on its device)."""
+    forward = self.__dict__.get(FORWARD_SLOT)
+    if getattr(type(forward), "binds_its_module", False):
+        raise TypeError(
+            "mixprec: nn.DataParallel cannot replicate a model converted at O2/O3 (each "
+            "replica would compute with the original module's weights); use "
+            "torch.nn.parallel.DistributedDataParallel (docs/distributed.md), or level O1 "
+            "or 'autocast'"
+        )
+    user: Any = type(self)._mixprec_user_class  # type: ignore[attr-defined]
+    return user._replicate_for_data_parallel(self)
+
+
+def _converted_recompile(self: Any) -> Any:
+    """``GraphModule.recompile`` of a converted ``GraphModule``: made on the user's class
+    (the class of that module's own, which it gives the new ``forward``, and whose
+    ``forward`` the converted class reads), not on the converted class, where it would
+    set a ``forward`` and a ``__call__`` that call each other without end."""
+    cls = type(self)
+    self.__class__ = cls._mixprec_user_class
+    try:
+        return self.recompile()
+    finally:
+        self.__class__ = cls
 
 
 def _converted_reduce_ex(self: nn.Module, protocol: Any) -> Any:
@@ -368,6 +410,7 @@ def converted_class(cls: type[nn.Module], key: str | None = None) -> type[nn.Mod
     if converted is None:
         body: dict[str, Any] = {
             "forward": _ConvertedForward(),
+            "__new__": staticmethod(_converted_new),
             "__init__": _converted_init,
             "__reduce_ex__": _converted_reduce_ex,
             "__setstate__": _converted_setstate,
@@ -377,6 +420,9 @@ def converted_class(cls: type[nn.Module], key: str | None = None) -> type[nn.Mod
             "__qualname__": cls.__qualname__,
             "__doc__": cls.__doc__,
         }
+        if issubclass(cls, torch.fx.GraphModule):
+            body["recompile"] = _converted_recompile
+        body["_replicate_for_data_parallel"] = _converted_replicate
         call = _converted_call if key is None else _keyed_call(key)
         if cls.__call__ is nn.Module.__call__:
             body["__call__"] = call
