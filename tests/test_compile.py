@@ -609,3 +609,27 @@ def test_a_container_sliced_in_a_forward_compiles_without_a_break(level: str) ->
     torch._dynamo.reset()
     assert torch._dynamo.explain(converted)(x).graph_break_count == 0
     assert torch.equal(torch.compile(converted, backend="eager")(x), converted(x))
+
+
+class _MakesOne(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return type(self.act)()(self.fc(x))  # (a module of a converted class, no arguments)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_module_made_with_no_arguments_in_a_forward_compiles_without_a_break(
+    level: str,
+) -> None:
+    """Under ``torch.compile`` a converted class called with no arguments makes a module
+    of the user's class too (no copy is made there; re-classing one broke the graph)."""
+    torch.manual_seed(0)
+    converted = amp.auto_mixed_precision(_MakesOne(), level, "bf16")
+    x = torch.randn(3, 4)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(converted)(x).graph_break_count == 0
+    assert torch.equal(torch.compile(converted, backend="eager")(x), converted(x))

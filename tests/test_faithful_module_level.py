@@ -440,13 +440,22 @@ def test_symbolic_trace_is_refused_and_a_traced_original_converts(level: str) ->
     converted = amp.auto_mixed_precision(model, level, torch.bfloat16)
     with pytest.raises(TypeError, match="Trace the original and convert the GraphModule"):
         torch.fx.symbolic_trace(converted)
-    traced = amp.auto_mixed_precision(torch.fx.symbolic_trace(model), level, torch.bfloat16)
+    graph_module = torch.fx.symbolic_trace(model)
+    traced = amp.auto_mixed_precision(graph_module, level, torch.bfloat16)
+
+    def model_graph(_: nn.Module) -> torch.fx.Graph:
+        return graph_module.graph
+
     x = torch.randn(3, 8)
     assert torch.equal(traced(x), converted(x))
     torch._dynamo.reset()
     assert torch.equal(torch.compile(traced, backend="eager")(x), converted(x))
     traced.recompile()  # (made on the traced class: it set a forward and a __call__ on
     assert torch.equal(traced(x), converted(x))  # the converted one that recursed)
+    twin = copy.deepcopy(traced)  # (GraphModule's own deepcopy dropped the conversion)
+    assert twin(x).dtype == converted(x).dtype
+    assert torch.equal(twin(x), converted(x))
+    assert traced.graph is not model_graph(model)  # (a graph of its own: edits stay there)
 
 
 @pytest.mark.parametrize("level", ["O1", "autocast", *LEVELS])

@@ -562,3 +562,55 @@ def test_a_shared_module_computes_in_one_precision_in_both_places(level: str) ->
     assert out.dtype == torch.float32
     assert seen == [torch.float32, torch.float32]
     torch.testing.assert_close(out, model(x), rtol=0.02, atol=0.02)
+
+
+class _SlicesParameters(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(torch.randn(4, 4) / 2) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for weight in self.weights[:2]:
+            x = x @ weight
+        return x
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_sliced_parameter_list_trains_the_stored_parameters(level: str) -> None:
+    """A ``ParameterList`` sliced in a forward is a list of the same Parameters, reading
+    low as the list's do: gradients reach the stored float32 Parameters. (The slice made
+    new Parameters of the casts: training silently stopped reaching the stored ones.)"""
+    torch.manual_seed(0)
+    model = _SlicesParameters()
+    converted = amp.auto_mixed_precision(model, level, "bf16")
+    x = torch.randn(2, 4)
+    out = converted(x)
+    out.float().sum().backward()
+    assert [p.grad is not None for p in model.weights] == [True, True, False]
+    assert all(p.grad.dtype == torch.float32 for p in model.weights[:2])
+    torch.testing.assert_close(out.float(), model(x), rtol=0.05, atol=0.05)
+
+
+class _SharedNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        norm = nn.LayerNorm(4)
+        self.a = nn.Sequential(norm, nn.Linear(4, 4))
+        self.b = nn.Sequential(norm, nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_a_shared_float32_norm_under_a_low_and_a_float32_parent() -> None:
+    """A black-list norm reached first under a low parent, then under a float32-pinned
+    one (O2): it computes in float32 in both, handing its output on in float32 (it cast
+    it down for the first parent and failed in the second)."""
+    torch.manual_seed(0)
+    model = _SharedNorm()
+    x = torch.randn(3, 4)
+    for pins in (["b"], ["a"]):
+        converted = amp.auto_mixed_precision(model, "O2", "bf16", fp32_modules=pins)
+        out = converted(x)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, model(x), rtol=0.03, atol=0.03)

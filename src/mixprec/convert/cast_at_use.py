@@ -69,6 +69,7 @@ from torch.overrides import TorchFunctionMode
 from mixprec._warn import warn
 from mixprec.convert import weight_hooks
 from mixprec.convert.structure import (
+    CLASS_METHODS,
     compiled_facts,
     eager_call,
     facts_key,
@@ -79,6 +80,7 @@ from mixprec.convert.structure import (
     owner,
     register,
     restore_key,
+    set_parameters,
     torch_forward,
     user_class,
 )
@@ -1433,6 +1435,25 @@ def _watch_registrations() -> None:
     if not _WATCHING:
         _WATCHING = True
         nn.modules.module.register_module_module_registration_hook(_registered)
+
+
+def _low_slice(self: nn.ParameterList, index: Any) -> Any:
+    """``ParameterList.__getitem__`` of a converted list whose Parameters read low: a
+    slice is a list of the same Parameters reading low as this one's do. (The list's own
+    slice appends what its items read, the casts, which a new list makes new Parameters
+    of: gradients no longer reached the stored ones.)"""
+    params = self.__dict__["_parameters"]
+    if not isinstance(index, slice) or type(params) is not LowParameters:
+        return nn.ParameterList.__getitem__(self, index)
+    user = user_class(self)
+    out = user()
+    for i in range(len(self))[index]:
+        out.append(dict.__getitem__(params, str(i)))  # type: ignore[operator]
+    set_parameters(out, LowParameters(out._parameters, frozenset(), params.state))
+    return out
+
+
+CLASS_METHODS[nn.ParameterList] = {"__getitem__": _low_slice}
 
 
 class LowParameter(NamedTuple):

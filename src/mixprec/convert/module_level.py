@@ -90,23 +90,26 @@ class _Walk:
         self.rows = rows
         self.seen_modules: set[int] = set()
         self.seen_tensors: set[int] = set()
-        #: id(module) -> where it was converted and what it computes in there
-        self.places: dict[int, tuple[str, Precision]] = {}
+        #: id(module) -> where it was converted, what it computes in there and its parent
+        self.places: dict[int, tuple[str, Precision, Precision]] = {}
 
     def _agree(self, module: nn.Module, path: str, parent: Precision) -> None:
         """A module reached a second time (shared: a tied layer, a block in two places)
         computes in one precision: refuse one whose second place decides another, when it
         holds weights (its call there would meet inputs of the other dtype)."""
-        first, precision = self.places[id(module)]
+        first, precision, first_parent = self.places[id(module)]
         here = self.recipe.module_precision(module, path, parent)
         if next(module.parameters(), None) is None:
             return
         if here is precision:
             call = forward_of(module)
-            if precision is Precision.FP32 and parent is Precision.LOW and call.dtype is None:
-                # (converted under a float32 parent, it took its inputs as they came; here
-                # its parent computes low: it casts its inputs up, as an island does)
+            if precision is Precision.FP32 and parent is not first_parent:
+                # (its parents compute in two precisions: it casts its inputs up, as an
+                # island does, and hands its outputs on in float32, which a low layer
+                # after it casts down and a float32 one takes)
                 call.dtype = torch.float32
+                call.output_dtype = None
+                call.island = False
                 set_forward(module, call)  # (its decisions changed: their key too)
             return
         raise ValueError(
@@ -132,7 +135,7 @@ class _Walk:
             return
         self.seen_modules.add(id(module))
         precision = self.recipe.module_precision(module, path, parent)
-        self.places[id(module)] = (path, precision)
+        self.places[id(module)] = (path, precision, parent)
         dtype = self.low if precision is Precision.LOW else torch.float32
         cast_in: torch.dtype | None = None  # what the module casts its floating inputs to
         cast_out: torch.dtype | None = None  # what an island casts its outputs back to

@@ -17,6 +17,7 @@ it.
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import types
@@ -124,9 +125,10 @@ def structural_copy(module: nn.Module, memo: dict[int, nn.Module] | None = None)
         for name, child in module._modules.items()
     }
     if isinstance(new, torch.fx.GraphModule):
-        # ``GraphModule.__new__`` made the copy a class of its own, which ``recompile``
-        # gives its ``forward`` (the same code, from the same graph)
-        new.recompile()
+        # ``GraphModule.__new__`` made the copy a class of its own; a graph of its own
+        # (an edit of the copy's graph leaves the original's be), whose setter gives that
+        # class its ``forward`` (the same code)
+        new.graph = copy.deepcopy(module.graph)  # type: ignore[assignment]
     return new
 
 
@@ -291,8 +293,8 @@ def _converted_new(cls: type[nn.Module], *args: Any, **kwargs: Any) -> Any:
     make; a constructor that takes no arguments), an empty module of ``cls``:
     :func:`_converted_init` makes the latter the user's."""
     user = cls._mixprec_user_class  # type: ignore[attr-defined]
-    if args or kwargs:
-        return user(*args, **kwargs)
+    if args or kwargs or _dynamo_compiling():  # (no copy is made in a compiled forward;
+        return user(*args, **kwargs)  # re-classing one there would break the graph)
     return user.__new__(cls)
 
 
@@ -387,6 +389,12 @@ _CONVERTED_PASSING: weakref.WeakKeyDictionary[type, weakref.WeakValueDictionary[
 )
 
 
+#: base class -> methods a converted class of it (or of a subclass of it) takes in place
+#: of the base's (filled by the modules that need one: ``cast_at_use``'s slicing of a
+#: ``ParameterList`` whose weights read low)
+CLASS_METHODS: dict[type, dict[str, Any]] = {}
+
+
 def converted_class(cls: type[nn.Module], key: str | None = None) -> type[nn.Module]:
     """The class of a converted module of class ``cls`` whose forward's facts have key
     ``key`` (:func:`facts_key`; None: a module being converted, or one whose forward has
@@ -415,6 +423,11 @@ def converted_class(cls: type[nn.Module], key: str | None = None) -> type[nn.Mod
             "__reduce_ex__": _converted_reduce_ex,
             "__setstate__": _converted_setstate,
             "__init_subclass__": classmethod(_init_converted_subclass),
+            **{
+                name: method
+                for base in reversed(cls.__mro__)
+                for name, method in CLASS_METHODS.get(base, {}).items()
+            },
             "_mixprec_user_class": cls,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
@@ -422,6 +435,10 @@ def converted_class(cls: type[nn.Module], key: str | None = None) -> type[nn.Mod
         }
         if issubclass(cls, torch.fx.GraphModule):
             body["recompile"] = _converted_recompile
+            # (copied as a converted module is, by ``__reduce_ex__``: ``GraphModule``'s own
+            # copies make a new module of a new class, which would drop the conversion)
+            body["__deepcopy__"] = None
+            body["__copy__"] = None
         body["_replicate_for_data_parallel"] = _converted_replicate
         call = _converted_call if key is None else _keyed_call(key)
         if cls.__call__ is nn.Module.__call__:
