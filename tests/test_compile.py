@@ -198,13 +198,18 @@ def _guard_nodes(model: nn.Module, x: torch.Tensor) -> int:
     """How many nodes the guard tree TorchDynamo checks before each call of ``model(x)``
     compiled has (each reads an attribute, an item or a type of its parent's object;
     the guards on one object are leaves of its node): what a check walks."""
+    return _guard_tree(model, x).count("GuardManager:")
+
+
+def _guard_tree(model: nn.Module, x: torch.Tensor) -> str:
+    """The guard tree of ``model(x)`` compiled, printed."""
     run = types.FunctionType(_run_model.__code__.replace(), _run_model.__globals__, "_run")
     torch._dynamo.reset()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.compile(run, backend="eager")(model, x)
     (entry,) = _debug_get_cache_entry_list(run.__code__)
-    return str(entry.guard_manager).count("GuardManager:")
+    return str(entry.guard_manager)
 
 
 @needs_compile
@@ -555,13 +560,7 @@ class _OwnCall(nn.Module):
 def _python_guards(model: nn.Module, x: torch.Tensor) -> int:
     """How many guards of ``model(x)`` compiled TorchDynamo checks in Python (lambda
     guards: each object reached by two paths is one)."""
-    run = types.FunctionType(_run_model.__code__.replace(), _run_model.__globals__, "_run")
-    torch._dynamo.reset()
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.compile(run, backend="eager")(model, x)
-    (entry,) = _debug_get_cache_entry_list(run.__code__)
-    return str(entry.guard_manager).count("LAMBDA_GUARD")
+    return _guard_tree(model, x).count("LAMBDA_GUARD")
 
 
 @pytest.mark.parametrize("level", LEVELS)
