@@ -36,6 +36,15 @@ needs_compile = pytest.mark.skipif(
 )
 
 
+def compiled_in_one_graph(model: nn.Module, *args: Any) -> Any:
+    """``model(*args)`` compiled (TorchDynamo, eager backend), after checking that
+    TorchDynamo traces the call without a graph break (from a reset cache)."""
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(*args)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    return torch.compile(model, backend="eager")(*args)
+
+
 def count_casts(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, CastCounter]:
     with CastCounter() as counter:
         out = fn(*args, **kwargs)

@@ -491,10 +491,15 @@ class MixedOperands(TorchFunctionMode):
     PyTorch's type promotion. A loss function (``cross_entropy``, ``mse_loss``, ...) with
     a ``dtype`` operand runs in float32, as the training step computes a loss."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, traced: bool = False) -> None:
         super().__init__()
         self.dtype = dtype
-        self._kinds: dict[Any, int] = {}  # torch function -> _FOLLOW, _LOWER or _LOSS
+        # torch function -> _FOLLOW, _LOWER or _LOSS; None in the mode a compiled call
+        # enters, which answers at trace time (no cache whose contents TorchDynamo would
+        # guard). Not ``torch.compiler.is_compiling()`` here: called in a mode's
+        # ``__torch_function__`` it breaks a module built in the traced code (torch 2.13:
+        # ``tensor.dim()`` in ``nn.Linear``'s initialisation returns None).
+        self._kinds: dict[Any, int] | None = None if traced else {}
 
     def __torch_function__(
         self,
@@ -503,12 +508,13 @@ class MixedOperands(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if torch.compiler.is_compiling():  # answered at trace time: no state to guard
+        kinds = self._kinds
+        if kinds is None:
             kind = _traced_kind(func)
-        elif func in self._kinds:
-            kind = self._kinds[func]
+        elif func in kinds:
+            kind = kinds[func]
         else:
-            kind = self._kinds[func] = _kind(func)
+            kind = kinds[func] = _kind(func)
         if kind == _FOLLOW:
             return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
@@ -774,7 +780,7 @@ def _compiled_call(
         if mixing is active:
             out = _compiled_body(module, spec, args, kwargs, call, exact)
         elif mixing:
-            with MixedOperands(spec.low):
+            with MixedOperands(spec.low, traced=True):
                 out = _compiled_body(module, spec, args, kwargs, call, exact)
         else:
             out = _set_aside(module, spec, args, kwargs, call, exact)
@@ -1445,6 +1451,14 @@ def _low_slice(self: nn.ParameterList, index: Any) -> Any:
     params = self.__dict__["_parameters"]
     if not isinstance(index, slice) or type(params) is not LowParameters:
         return nn.ParameterList.__getitem__(self, index)
+    return _low_list(self, params, index)
+
+
+@torch._dynamo.disable(reason="mixprec: a sliced ParameterList reading low is made eagerly")
+def _low_list(self: nn.ParameterList, params: LowParameters, index: slice) -> Any:
+    """:func:`_low_slice`'s new list, made outside a compiled graph: TorchDynamo reads
+    the ``_parameters`` of a module made in its trace as a plain dict (the slice's
+    Parameters computed in float32), and a table made there failed its guard check."""
     user = user_class(self)
     out = user()
     for i in range(len(self))[index]:
