@@ -129,7 +129,7 @@ def test_a_base_class_that_rewrites_forward_keeps_the_conversion(level: str, hoo
     assert seen == [torch.float32]
     assert out.dtype == (torch.bfloat16 if level == "autocast" else torch.float32)
     assert type(converted[1]).forward is _Layer.forward
-    assert type(converted[1]) in _WRAPPED  # (its base rewrote its forward, once)
+    assert [_Layer] == _WRAPPED  # (the converted class is not the user's: not rewritten)
 
 
 class _OwnCall(nn.Module):
@@ -318,10 +318,13 @@ _REGISTRY: dict[str, type] = {}
 
 class _Registering(nn.Module):
     """A base that keeps a registry of its subclasses by name, filled by
-    ``__init_subclass__`` (as plugin registries are): a converted class is a subclass."""
+    ``__init_subclass__`` (as plugin registries are), which refuses a second class of
+    one name."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if cls.__name__ in _REGISTRY:
+            raise TypeError(f"a second plugin named {cls.__name__}")
         _REGISTRY[cls.__name__] = cls
 
 
@@ -336,19 +339,20 @@ class _Plugin(_Registering):
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_converted_class_called_makes_a_module_of_the_users_class(level: str) -> None:
-    """``type(converted)(...)`` (and a registry that received the converted class) makes a
-    new module of the user's class, unconverted, as a module the user makes is: it calls
-    and computes as the original class's (it raised ``KeyError: '_mixprec_forward'``)."""
+    """``type(converted)(...)`` makes a new module of the user's class, unconverted, as a
+    module the user makes is: it calls and computes as the original class's (it raised
+    ``KeyError: '_mixprec_forward'``). A registry filled by a base's ``__init_subclass__``
+    never receives a converted class."""
     torch.manual_seed(0)
     converted = amp.auto_mixed_precision(nn.Sequential(nn.Linear(4, 4), _Plugin(4)), level, "bf16")
     x = torch.randn(2, 4)
     made = type(converted[0])(4, 4)
     assert type(made) is nn.Linear
     assert made(x).dtype == torch.float32
-    plugin = _REGISTRY["_Plugin"](4)  # (the converted class, if conversion made one)
-    assert type(plugin) is _Plugin
-    assert torch.equal(plugin(x), plugin.linear(x))
-    assert _REGISTRY["_Plugin"] is type(converted[1])  # (what the registry received)
+    assert type(type(converted[1])(4)) is _Plugin
+    # a converted class is the conversion's, not the program's: the registry a base's
+    # ``__init_subclass__`` fills never receives it (this one refused conversion)
+    assert {"_Plugin": _Plugin} == _REGISTRY
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -285,8 +285,7 @@ def _init_converted_subclass(sub: type, **kwargs: Any) -> None:
 def _converted_new(cls: type[nn.Module], *args: Any, **kwargs: Any) -> Any:
     """``__new__`` of a converted class. Called to make a module with arguments
     (``type(converted)(4, 4)``, a container sliced in a forward, which makes
-    ``self.__class__(...)``; a registry the user's ``__init_subclass__`` filled with the
-    converted class, as it receives any subclass), it makes a module of the user's class,
+    ``self.__class__(...)``), it makes a module of the user's class,
     as that class makes it: unconverted, as any module the user makes (not an instance
     of ``cls``: ``type.__call__`` runs no ``__init__`` on it). With none (``copy.deepcopy``
     of a parametrized module, ``DataParallel``'s replicas, which fill the module they
@@ -447,11 +446,32 @@ def converted_class(cls: type[nn.Module], key: str | None = None) -> type[nn.Mod
             # ``_call_impl``, a method of this class's, not a slot of each module's, which
             # TorchDynamo would reach the module through a second time: a guard per module)
             body["_call_impl"] = call
-        converted = types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(body))
-        for name, value in body.items():  # (what a base's ``__init_subclass__`` rewrote:
-            setattr(converted, name, value)  # transformers' layers wrap ``forward``)
+        converted = _quiet_subclass(cls, body)
         converted._mixprec_exact = converted  # type: ignore[attr-defined]
         classes[key] = converted
+    return converted
+
+
+def _quiet_subclass(cls: type, body: dict[str, Any]) -> type:
+    """A subclass of ``cls`` with ``body``, made without the user's ``__init_subclass__``:
+    a converted class is the conversion's, not a class of the user's program (a registry
+    a base fills by name, as plugin registries are, received it, and one that refuses a
+    second class of a name refused conversion). Made over ``nn.Module`` and given ``cls``
+    as its base after (``type`` calls ``__init_subclass__`` only where a class is made);
+    where that cannot be (a metaclass of the user's, a layout of its own: ``__slots__``),
+    made over ``cls``, with ``body`` set again over what its ``__init_subclass__`` set
+    (transformers' layers wrap ``forward``)."""
+    if type(cls) is type:
+        quiet = types.new_class(cls.__name__, (nn.Module,), exec_body=lambda ns: ns.update(body))
+        try:
+            quiet.__bases__ = (cls,)
+        except TypeError:  # (a layout of its own)
+            pass
+        else:
+            return quiet
+    converted = types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(body))
+    for name, value in body.items():
+        setattr(converted, name, value)
     return converted
 
 
