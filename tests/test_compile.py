@@ -675,3 +675,24 @@ def test_a_layer_built_in_a_compiled_forward_computes_as_eagerly(level: str) -> 
     compiled = torch.compile(converted, backend="eager")(x)
     assert compiled.dtype == eager.dtype
     assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_float32_pinned_block_compiles_in_the_graph(level: str) -> None:
+    """A float32-pinned block (here a Linear-GELU pair between low layers) compiles in one
+    graph with the rest, computing as eagerly: its Linear sees float32. (At O1 and the
+    autocast level it broke the graph three ways: its call set O1's dispatch kernels
+    aside, a guard TorchDynamo cannot trace, where a compiled region runs none.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.GELU()), nn.LayerNorm(4), nn.Linear(4, 2)
+    )
+    converted = amp.auto_mixed_precision(model, level, "bf16", fp32_modules=["1"])
+    seen: list[torch.dtype] = []
+    converted[1][0].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+    x = torch.randn(3, 4)
+    eager = converted(x)
+    compiled = compiled_in_one_graph(converted, x)
+    assert seen == [torch.float32] * 3  # (eager, TorchDynamo's explain, compiled)
+    assert compiled.dtype == eager.dtype
+    assert torch.equal(compiled, eager)

@@ -299,8 +299,9 @@ class RuntimeListMode(TorchFunctionMode):
 def standing_aside() -> Iterator[None]:
     """Make every active :class:`RuntimeListMode` of this thread, and O1's kernels
     (:mod:`mixprec.convert.dispatch`), ignore ops inside the block (a converted child runs
-    there, with its own casts); undone even on error."""
-    kernels = dispatch.aside()
+    there, with its own casts); undone even on error. (Under ``torch.compile`` no kernel
+    runs: an O1 region applies its mode there, see ``Region.list_context``.)"""
+    kernels = None if _dynamo_compiling() else dispatch.aside()
     modes = (
         [
             m
