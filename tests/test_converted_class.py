@@ -405,3 +405,35 @@ def test_a_class_whose_new_takes_arguments_converts(level: str) -> None:
     x = torch.randn(2, 4)
     assert converted[0].tag == "made 4"
     torch.testing.assert_close(converted(x).float(), model(x), rtol=0.02, atol=0.02)
+
+
+class _Slotted(nn.Module):
+    """A module that keeps state in ``__slots__`` (set in ``__init__``, read in forward)."""
+
+    __slots__ = ("scale",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.scale = 3.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_module_with_slots_keeps_their_values(level: str) -> None:
+    """A module's ``__slots__`` values go with it into the conversion (its copy took the
+    instance dict alone: ``AttributeError: 'scale'`` at the first call); its converted
+    class is made over the user's (a layout of its own)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Slotted(), nn.ReLU())
+    converted = amp.auto_mixed_precision(model, level, "bf16")
+    x = torch.randn(2, 4)
+    assert converted[0].scale == 3.0
+    with torch.autocast("cpu", torch.bfloat16):
+        want = model(x)
+    assert isinstance(converted[0], _Slotted)
+    # (bfloat16 rounding of the product apart: O1 multiplies the cast-back result in
+    # float32, autocast in bfloat16)
+    torch.testing.assert_close(converted(x).float(), want.float(), rtol=2**-7, atol=1e-6)

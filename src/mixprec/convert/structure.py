@@ -17,7 +17,9 @@ it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import copyreg
 import functools
 import itertools
 import types
@@ -119,6 +121,9 @@ def structural_copy(module: nn.Module, memo: dict[int, nn.Module] | None = None)
     state["_buffers"] = dict(module._buffers)
     state["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
     new.__dict__.update(state)
+    for name in copyreg._slotnames(cls):  # type: ignore[attr-defined]  # (``__slots__``)
+        with contextlib.suppress(AttributeError):  # (a slot never set)
+            object.__setattr__(new, name, object.__getattribute__(module, name))
     memo[id(module)] = new
     new._modules = {
         name: None if child is None else structural_copy(child, memo)
