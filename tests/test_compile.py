@@ -723,7 +723,9 @@ _DYNAMO_CROSS_ENTROPY = pytest.mark.xfail(
         pytest.param(
             level,
             loss,
-            marks=_DYNAMO_CROSS_ENTROPY if loss == "cross_entropy" and level in ("O2", "O3") else (),
+            marks=_DYNAMO_CROSS_ENTROPY
+            if loss == "cross_entropy" and level in ("O2", "O3")
+            else (),
         )
         for level in LEVELS
         for loss in ("cross_entropy", "nll", "bce_with_logits", "mse")
