@@ -688,6 +688,43 @@ def test_a_layer_built_in_a_compiled_forward_computes_as_eagerly(level: str) -> 
     assert torch.equal(compiled, eager)
 
 
+class _InPlaceActivations(nn.Module):
+    """``F.relu(h, inplace=True)`` and ``nn.ReLU(inplace=True)`` on a float32 value the
+    forward reads again after the write (ReLU is on O1's white list)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x)
+        torch.nn.functional.relu(h, inplace=True)
+        g = torch.sin(self.fc(x))
+        self.act(g)
+        return h + g
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_an_in_place_activation_compiled_writes_its_input_as_eagerly(level: str) -> None:
+    """An in-place activation writes into its input compiled, as eagerly and as the
+    original does (at O1 it is not made a low-precision copy). Compiled, O1 read the
+    position of ``inplace`` through ``functools.cache`` and ``inspect.signature``, which
+    TorchDynamo answered None: the ReLU computed low into a new tensor and ``h`` kept its
+    negatives. And the first compile warns of no cached function traced."""
+    torch.manual_seed(0)
+    converted = amp.auto_mixed_precision(_InPlaceActivations(), level, "bf16")
+    x = torch.randn(3, 4)
+    eager = converted(x)
+    assert (eager >= 0).all()  # (both written: relu(tanh) + relu(sin(...)))
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled = compiled_in_one_graph(converted, x)
+    assert compiled.dtype == eager.dtype
+    assert torch.equal(compiled, eager)
+
+
 class _LossInForward(nn.Module):
     """Logits from a Linear, and a loss module built in the forward (as transformers'
     ``...ForSequenceClassification`` builds ``CrossEntropyLoss()``)."""

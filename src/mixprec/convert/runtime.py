@@ -41,7 +41,7 @@ from mixprec.convert.structure import (
 from mixprec.policy.dtypes import _CAST_METHODS, is_castable, to_dtype
 from mixprec.policy.levels import Level, Precision, Recipe
 from mixprec.policy.ops import (
-    _plain_types,
+    PLAIN_TYPES,
     cast_tree,
     only_plain_tensors,
     op_key,
@@ -111,9 +111,16 @@ def decision_table(
     return table, default
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
 def _inplace_position(func: Callable[..., Any]) -> int | None:
-    """The position of ``func``'s ``inplace`` parameter (``F.relu``), or None."""
+    """The position of ``func``'s ``inplace`` parameter (``F.relu``), or None: answered
+    while TorchDynamo traces (traced, ``functools.cache`` and ``inspect.signature`` gave
+    None, so a compiled O1 ``F.relu(x, inplace=True)`` computed low into a new tensor)."""
+    return _inplace_position_of(func)
+
+
+@functools.cache
+def _inplace_position_of(func: Callable[..., Any]) -> int | None:
     try:
         names = list(inspect.signature(func).parameters)
     except (TypeError, ValueError):
@@ -207,7 +214,7 @@ class RuntimeListMode(TorchFunctionMode):
             and (id(base), dtype) in self.memo  # (the view's base was cast: look closer)
             and not leaf.requires_grad
             and (not leaf.is_cpu or leaf.numel() >= _CPU_VIEW_MIN)
-            and type(leaf) in _plain_types()
+            and type(leaf) in PLAIN_TYPES
         ):
             cast = self._view_of_cast(leaf, base, dtype)
         if cast is None:

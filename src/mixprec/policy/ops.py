@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 
 from mixprec.policy.dtypes import is_castable, to_dtype
 
@@ -255,7 +256,7 @@ def only_plain_tensors(args: Iterable[Any], kwargs: dict[str, Any]) -> bool:
     (torchao's Float8 tensors, DTensor) keeps its own rules for its GEMMs and casts: mixprec's
     run-time modes leave such ops alone.
     """
-    plain = _plain_types()
+    plain = PLAIN_TYPES
     for value in (*args, *kwargs.values()):
         if type(value) in plain:
             continue
@@ -280,11 +281,7 @@ def _behaves_plain(cls: type) -> bool:
     )
 
 
-@functools.lru_cache(maxsize=1)
-def _plain_types() -> frozenset[type]:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return frozenset((torch.Tensor, torch.nn.Parameter, FakeTensor, *_BUFFER))
-
-
 _BUFFER: tuple[type, ...] = (torch.nn.Buffer,) if hasattr(torch.nn, "Buffer") else ()
+#: Tensor types with no rules of their own (a constant: TorchDynamo warns on a cached
+#: function it traces)
+PLAIN_TYPES: frozenset[type] = frozenset((torch.Tensor, torch.nn.Parameter, FakeTensor, *_BUFFER))
