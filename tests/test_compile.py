@@ -688,6 +688,75 @@ def test_a_layer_built_in_a_compiled_forward_computes_as_eagerly(level: str) -> 
     assert torch.equal(compiled, eager)
 
 
+class _ChecksItsForward(nn.Module):
+    """Asks whether its class's ``forward`` is its own, as transformers'
+    ``GradientCheckpointingLayer`` asks before it checkpoints."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self).forward is _ChecksItsForward.forward:
+            return self.fc(x) * 2
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_converted_class_reads_its_forward_compiled_as_eagerly(level: str) -> None:
+    """``type(module).forward`` is the user's ``forward`` compiled too (TorchDynamo read
+    the conversion's descriptor object, held in the converted class's own dict, in its
+    place: the comparison failed there alone)."""
+    torch.manual_seed(0)
+    converted = amp.auto_mixed_precision(_ChecksItsForward(), level, "bf16")
+    x = torch.randn(3, 4)
+    eager = converted(x)
+    assert torch.equal(eager, converted.fc(x) * 2)
+    assert torch.equal(compiled_in_one_graph(converted, x), eager)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_checkpointing_layer_checkpoints_compiled(level: str) -> None:
+    """A transformers layer with gradient checkpointing on checkpoints in the compiled
+    graph as the original's does (it checkpointed eagerly only: compiled, its check of
+    ``type(self).forward`` failed, and the layer ran without a checkpoint, all its
+    activations saved)."""
+    pytest.importorskip("transformers")
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class Block(GradientCheckpointingLayer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.fc(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block()).train()
+    for block in model:
+        block.gradient_checkpointing = True  # (what gradient_checkpointing_enable() sets)
+        block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+
+    def checkpoints(module: nn.Module) -> int:
+        codes: list[str] = []
+
+        def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+            codes.append(gm.code)
+            return gm.forward
+
+        torch._dynamo.reset()
+        torch.compile(module, backend=backend)(torch.randn(3, 4))
+        return sum(code.count("tag_activation_checkpoint(") for code in codes)
+
+    theirs = checkpoints(model)
+    assert theirs > 0
+    assert checkpoints(amp.auto_mixed_precision(model, level, "bf16")) == theirs
+
+
 class _InPlaceActivations(nn.Module):
     """``F.relu(h, inplace=True)`` and ``nn.ReLU(inplace=True)`` on a float32 value the
     forward reads again after the write (ReLU is on O1's white list)."""

@@ -53,7 +53,9 @@ def test_a_converted_module_is_of_a_subclass_of_its_class_that_reads_as_it(level
         assert isinstance(module, cls), name
         assert user_class(module) is cls
         assert type(module) is not cls
-        assert type(module).__mro__[1] is cls
+        assert type(module).__bases__[-1] is cls  # (after the conversion's own base)
+        mro = type(module).__mro__
+        assert mro[mro.index(cls) :] == cls.__mro__
         for attribute in ("__name__", "__qualname__", "__module__"):
             assert getattr(type(module), attribute) == getattr(cls, attribute)
         # the class's forward is the user's, the module's the conversion's

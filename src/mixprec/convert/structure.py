@@ -203,6 +203,18 @@ class _ConvertedForward:
         return module.__dict__[FORWARD_SLOT]
 
 
+class _ConvertedBase:
+    """The first base of every converted class, ahead of the user's class: it holds the
+    class's ``forward`` (:class:`_ConvertedForward`). Read on the class
+    (``type(module).forward``, which transformers' ``GradientCheckpointingLayer`` compares
+    with its wrapper to decide whether to checkpoint), TorchDynamo answers a descriptor of
+    the class's own dict with the descriptor object itself, not with its ``__get__``; one
+    a base holds, it invokes. (Held in the class's own dict, the comparison failed under
+    ``torch.compile`` and a converted layer never checkpointed there.)"""
+
+    forward = _ConvertedForward()
+
+
 _FX_REFUSAL = (
     "mixprec: torch.fx.symbolic_trace cannot trace a converted model ({name}): its casts "
     "are made in its modules' calls, which symbolic tracing replaces with its own, so the "
@@ -421,7 +433,6 @@ def converted_class(cls: type[nn.Module], key: str | None = None) -> type[nn.Mod
     converted = classes.get(key)
     if converted is None:
         body: dict[str, Any] = {
-            "forward": _ConvertedForward(),
             "__new__": staticmethod(_converted_new),
             "__init__": _converted_init,
             "__reduce_ex__": _converted_reduce_ex,
@@ -469,14 +480,18 @@ def _quiet_subclass(cls: type, body: dict[str, Any]) -> type:
     if type(cls) is type:
         quiet = types.new_class(cls.__name__, (nn.Module,), exec_body=lambda ns: ns.update(body))
         try:
-            quiet.__bases__ = (cls,)
+            quiet.__bases__ = (_ConvertedBase, cls)
         except TypeError:  # (a layout of its own)
             pass
         else:
             return quiet
-    converted = types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(body))
+    converted = types.new_class(
+        cls.__name__, (_ConvertedBase, cls), exec_body=lambda ns: ns.update(body)
+    )
     for name, value in body.items():
         setattr(converted, name, value)
+    if "forward" in converted.__dict__:  # (set by the user's ``__init_subclass__``)
+        delattr(converted, "forward")
     return converted
 
 
