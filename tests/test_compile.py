@@ -757,6 +757,100 @@ def test_a_checkpointing_layer_checkpoints_compiled(level: str) -> None:
     assert checkpoints(amp.auto_mixed_precision(model, level, "bf16")) == theirs
 
 
+class _UsedTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(self.fc(x)))
+
+
+def test_a_weight_used_twice_sums_its_gradient_as_torch_autocast_does() -> None:
+    """A weight two low ops use (a tied or shared layer): eagerly cast once per call, its
+    gradient summed in bfloat16, then cast up; compiled, each use is a cast of its own
+    (TorchDynamo and AOTAutograd keep one per read), the two gradients summed in float32.
+    Both are what ``torch.autocast`` does: its weight-cast cache eagerly, a cast per use
+    compiled (the same difference between its eager and compiled gradients)."""
+    torch.manual_seed(0)
+    model = _UsedTwice()
+    x = torch.randn(4, 8)
+    converted = amp.auto_mixed_precision(model, "O2", "bf16")
+
+    def gradient(forward: Any) -> torch.Tensor:
+        model.zero_grad()
+        forward().float().pow(2).mean().backward()
+        return model.fc.weight.grad.clone()
+
+    def by_hand(once: bool) -> torch.Tensor:
+        fc = model.fc
+        w, b = fc.weight.bfloat16(), fc.bias.bfloat16()
+        first = torch.tanh(torch.nn.functional.linear(x.bfloat16(), w, b))
+        if not once:
+            w, b = fc.weight.bfloat16(), fc.bias.bfloat16()
+        return torch.nn.functional.linear(first, w, b)
+
+    def autocast() -> torch.Tensor:
+        with torch.autocast("cpu", torch.bfloat16):
+            return model(x)
+
+    torch._dynamo.reset()
+    eager, compiled = (
+        gradient(lambda: converted(x)),
+        gradient(lambda: torch.compile(converted, backend="aot_eager")(x)),
+    )
+    assert torch.equal(eager, gradient(lambda: by_hand(once=True)))
+    assert torch.equal(compiled, gradient(lambda: by_hand(once=False)))
+    assert not torch.equal(eager, compiled)
+    torch._dynamo.reset()
+    theirs = gradient(autocast) - gradient(torch.compile(autocast, backend="aot_eager"))
+    assert torch.equal(eager - compiled, theirs)
+
+
+class _CheckpointedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = torch.utils.checkpoint.checkpoint(
+            lambda t: torch.tanh(self.fc(t)), x, use_reentrant=False
+        )
+        return self.head(inner)
+
+
+@pytest.mark.parametrize(
+    "level",
+    [
+        pytest.param(
+            "O1",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="TorchDynamo traces a checkpointed block as a higher-order "
+                "operator's body, which O1's mode sees whole and calls with itself off "
+                "(the rule of torch-function modes): the block computes in float32",
+            ),
+        ),
+        "autocast",
+        "O2",
+        "O3",
+    ],
+)
+def test_a_checkpointed_block_compiled_computes_as_eagerly(level: str) -> None:
+    """A block under ``torch.utils.checkpoint`` (non-reentrant) computes compiled what it
+    computes eagerly, forward and backward (``aot_eager``: the recomputation is the
+    compiled graph's). O1 is a strict xfail: it passes the day its mode reaches the body."""
+    torch.manual_seed(0)
+    converted = amp.auto_mixed_precision(_CheckpointedBlock(), level, "bf16")
+    x = torch.randn(3, 4)
+    eager = converted(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(converted, backend="aot_eager")(x)
+    compiled.sum().backward()
+    assert torch.equal(compiled, eager)
+
+
 class _InPlaceActivations(nn.Module):
     """``F.relu(h, inplace=True)`` and ``nn.ReLU(inplace=True)`` on a float32 value the
     forward reads again after the write (ReLU is on O1's white list)."""
