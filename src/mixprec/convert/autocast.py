@@ -813,15 +813,40 @@ def _white_compiled(
     elif facts.inputs_low:
         args, kwargs = _inputs_down(mode, region.recipe.dtype, args, kwargs)
         out = own_code_compiled(module, facts, args, kwargs, forward)
-    else:
-        mode.back = False  # the layer's one white-list call keeps its result low
-        try:
-            out = own_code_compiled(module, facts, args, kwargs, forward)
-        finally:
-            mode.back = True
+    else:  # the layer's one white-list call keeps its result low
+        out = _kept_low(module, facts, mode, args, kwargs, forward)
     if module._forward_hooks or _global_forward_hooks:
         return out  # CastBackLast casts it back after the hooks
     return mode.cast_back(out)
+
+
+def _kept_low(
+    module: nn.Module,
+    facts: Facts,
+    mode: RuntimeListMode,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    forward: Any,
+) -> Any:
+    """A one-call white-list layer's own code under ``torch.compile``, its white-list
+    call's result kept low: the running mode, on top of the stack, set aside for an equal
+    one that casts nothing back (toggling the mode's ``back`` is a mutation TorchDynamo
+    refuses inside a checkpointed block's body). With no mode of O1's on top (the layer's
+    call reached from a frame compiled on its own, inside an eager call), ``mode.back``
+    is switched off around the call, which the white list's kernels read."""
+    depth = torch._C._len_torch_function_stack()
+    if depth and isinstance(torch._C._get_function_stack_at(depth - 1), RuntimeListMode):
+        top = torch._C._pop_torch_function_stack()
+        try:
+            with top.again(back=False):
+                return own_code_compiled(module, facts, args, kwargs, forward)
+        finally:
+            torch._C._push_on_torch_function_stack(top)
+    mode.back = False
+    try:
+        return own_code_compiled(module, facts, args, kwargs, forward)
+    finally:
+        mode.back = True
 
 
 class CastBackLast(collections.OrderedDict):

@@ -87,7 +87,14 @@ from mixprec.convert.structure import (
 from mixprec.policy import lists
 from mixprec.policy.dtypes import _CAST_METHODS, _CASTABLE, dtype_name, is_castable, to_dtype
 from mixprec.policy.levels import Recipe
-from mixprec.policy.ops import cast_compiled, cast_tree, only_plain_tensors, op_name
+from mixprec.policy.ops import (
+    HIGHER_ORDER,
+    cast_compiled,
+    cast_tree,
+    only_plain_tensors,
+    op_name,
+    under,
+)
 
 __all__ = [
     "CastState",
@@ -501,6 +508,11 @@ class MixedOperands(TorchFunctionMode):
         # ``tensor.dim()`` in ``nn.Linear``'s initialisation returns None).
         self._kinds: dict[Any, int] | None = None if traced else {}
 
+    def again(self) -> MixedOperands:
+        """A mode of the same dtype, made traced (a traced body's: see
+        :func:`~mixprec.policy.ops.under`)."""
+        return MixedOperands(self.dtype, traced=True)
+
     def __torch_function__(
         self,
         func: Callable[..., Any],
@@ -516,6 +528,8 @@ class MixedOperands(TorchFunctionMode):
         else:
             kind = kinds[func] = _kind(func)
         if kind == _FOLLOW:
+            if kinds is None and type(func) in HIGHER_ORDER and args:  # (traced only)
+                args = (functools.partial(under, self, args[0]), *args[1:])
             return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
             kwargs = {}

@@ -41,11 +41,13 @@ from mixprec.convert.structure import (
 from mixprec.policy.dtypes import _CAST_METHODS, is_castable, to_dtype
 from mixprec.policy.levels import Level, Precision, Recipe
 from mixprec.policy.ops import (
+    HIGHER_ORDER,
     PLAIN_TYPES,
     cast_tree,
     only_plain_tensors,
     op_key,
     op_name,
+    under,
     widest_dtype,
 )
 
@@ -270,6 +272,11 @@ class RuntimeListMode(TorchFunctionMode):
             return out.float() if out.dtype == self.dtype else out
         return self.cast_back_eager(out)
 
+    def again(self, back: bool | None = None) -> RuntimeListMode:
+        """A mode with the same decisions (and no casts yet); ``back`` if given."""
+        back = self.back if back is None else back
+        return RuntimeListMode(self.table, self.default, self.dtype, back, self.names)
+
     def __torch_function__(
         self,
         func: Callable[..., Any],
@@ -279,6 +286,8 @@ class RuntimeListMode(TorchFunctionMode):
     ) -> Any:
         precision = self.table.get(func, self.default)
         if precision is Precision.FOLLOW or self.suspended:
+            if type(func) in HIGHER_ORDER and not self.suspended and args:
+                args = (functools.partial(under, self, args[0]), *args[1:])
             return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
             kwargs = {}

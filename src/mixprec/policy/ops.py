@@ -285,3 +285,27 @@ _BUFFER: tuple[type, ...] = (torch.nn.Buffer,) if hasattr(torch.nn, "Buffer") el
 #: Tensor types with no rules of their own (a constant: TorchDynamo warns on a cached
 #: function it traces)
 PLAIN_TYPES: frozenset[type] = frozenset((torch.Tensor, torch.nn.Parameter, FakeTensor, *_BUFFER))
+
+
+#: The higher-order operators TorchDynamo makes of blocks it traces as a body of their
+#: own: a checkpointed block (``torch.utils.checkpoint.checkpoint``) is one
+#: ``tag_activation_checkpoint`` call, which a torch-function mode sees whole and, by the
+#: rule of modes, calls with itself off, so the block's ops would be traced with no mode
+#: (compiled, O1 computed a checkpointed layer in float32, and O2's mixed operands failed
+#: in it with a dtype error): a mode runs its body under itself (:func:`under`).
+HIGHER_ORDER = frozenset(
+    type(op)
+    for op in (
+        getattr(torch.ops.higher_order, "tag_activation_checkpoint", None),
+        getattr(torch.ops.higher_order, "wrap", None),
+    )
+    if op is not None
+)
+
+
+def under(mode: Any, body: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``body(*args, **kwargs)`` under a mode equal to ``mode`` (a higher-order operator's
+    body): a new one, made inside the body (TorchDynamo refuses a body that enters a mode
+    made outside it, as a mutation from outside the operator's scope)."""
+    with mode.again():
+        return body(*args, **kwargs)
