@@ -736,8 +736,11 @@ def test_a_checkpointing_layer_checkpoints_compiled(level: str) -> None:
             return torch.tanh(self.fc(x))
 
     torch.manual_seed(0)
-    model = nn.Sequential(Block(), Block()).train()
-    for block in model:
+    # (a PyTorch layer before them: TorchDynamo reads its class's ``forward`` by another
+    # path, which with one descriptor object shared by every converted class it guarded as
+    # the same object, a guard that failed at once: "Guard failed on the same frame")
+    model = nn.Sequential(nn.Embedding(8, 4), Block(), Block()).train()
+    for block in model[1:]:
         block.gradient_checkpointing = True  # (what gradient_checkpointing_enable() sets)
         block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
 
@@ -749,7 +752,7 @@ def test_a_checkpointing_layer_checkpoints_compiled(level: str) -> None:
             return gm.forward
 
         torch._dynamo.reset()
-        torch.compile(module, backend=backend)(torch.randn(3, 4))
+        torch.compile(module, backend=backend)(torch.tensor([[1, 2, 3]]))
         return sum(code.count("tag_activation_checkpoint(") for code in codes)
 
     theirs = checkpoints(model)
@@ -890,6 +893,52 @@ def test_a_checkpointed_function_with_listed_ops_recomputes_eagerly(level: str) 
     torch.manual_seed(0)
     converted = amp.auto_mixed_precision(_CheckpointedBlock(mixes=True), level, "bf16")
     converted(torch.randn(3, 4)).sum().backward()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_bert_with_gradient_checkpointing_compiles_as_eagerly(level: str) -> None:
+    """A tiny BERT with ``gradient_checkpointing_enable()``, compiled (``aot_eager``) in
+    training: forward and gradients equal the eager call's, and at the autocast level,
+    O2 and O3 its layers checkpoint in the graph as the original's do. (With one
+    descriptor object for every converted class's ``forward``, TorchDynamo failed here
+    with "Guard failed on the same frame it was created"; at O1 the checkpointed layers
+    run outside the graph: docs/compile.md, known limits.)"""
+    tf = pytest.importorskip("transformers")
+    config = tf.BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    model = tf.BertModel(config)
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(0, 64, (2, 8))
+    converted = amp.auto_mixed_precision(model, level, "bf16")
+
+    def gradients(out: Any) -> dict[str, torch.Tensor]:
+        out.last_hidden_state.float().pow(2).mean().backward()
+        found = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return found
+
+    eager = converted(input_ids=ids)
+    expected = gradients(eager)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (transformers: use_cache off under checkpointing)
+        compiled, codes = _compiled_with_code(converted, "aot_eager", ids)
+    assert torch.equal(compiled.last_hidden_state, eager.last_hidden_state)
+    got = gradients(compiled)
+    for name, want in expected.items():
+        assert torch.equal(got.pop(name), want), name
+    assert all(not grad.any() for grad in got.values())  # (the unused pooler's: zeros)
+    if level != "O1":
+        assert sum(code.count("tag_activation_checkpoint(") for code in codes) == 2
 
 
 class _InPlaceActivations(nn.Module):

@@ -477,17 +477,18 @@ def _quiet_subclass(cls: type, body: dict[str, Any]) -> type:
     where that cannot be (a metaclass of the user's, a layout of its own: ``__slots__``),
     made over ``cls``, with ``body`` set again over what its ``__init_subclass__`` set
     (transformers' layers wrap ``forward``)."""
+    # (a base of its own: one descriptor object shared by every converted class, reached by
+    # TorchDynamo through two classes, is one object by two paths, which it guards as one)
+    base = type("_ConvertedBase", (_ConvertedBase,), {"forward": _ConvertedForward()})
     if type(cls) is type:
         quiet = types.new_class(cls.__name__, (nn.Module,), exec_body=lambda ns: ns.update(body))
         try:
-            quiet.__bases__ = (_ConvertedBase, cls)
+            quiet.__bases__ = (base, cls)
         except TypeError:  # (a layout of its own)
             pass
         else:
             return quiet
-    converted = types.new_class(
-        cls.__name__, (_ConvertedBase, cls), exec_body=lambda ns: ns.update(body)
-    )
+    converted = types.new_class(cls.__name__, (base, cls), exec_body=lambda ns: ns.update(body))
     for name, value in body.items():
         setattr(converted, name, value)
     if "forward" in converted.__dict__:  # (set by the user's ``__init_subclass__``)
