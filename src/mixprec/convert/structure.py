@@ -204,15 +204,16 @@ class _ConvertedForward:
 
 
 class _ConvertedBase:
-    """The first base of every converted class, ahead of the user's class: it holds the
-    class's ``forward`` (:class:`_ConvertedForward`). Read on the class
-    (``type(module).forward``, which transformers' ``GradientCheckpointingLayer`` compares
-    with its wrapper to decide whether to checkpoint), TorchDynamo answers a descriptor of
-    the class's own dict with the descriptor object itself, not with its ``__get__``; one
-    a base holds, it invokes. (Held in the class's own dict, the comparison failed under
-    ``torch.compile`` and a converted layer never checkpointed there.)"""
-
-    forward = _ConvertedForward()
+    """The first base of a converted class, ahead of the user's class: a subclass of this
+    one of its own (:func:`_quiet_subclass`) holds the class's ``forward``
+    (:class:`_ConvertedForward`). Read on the class (``type(module).forward``, which
+    transformers' ``GradientCheckpointingLayer`` compares with its wrapper to decide
+    whether to checkpoint), TorchDynamo answers a descriptor of the class's own dict with
+    the descriptor object itself, not with its ``__get__``; one a base holds, it invokes.
+    (Held in the class's own dict, the comparison failed under ``torch.compile`` and a
+    converted layer never checkpointed there.) One descriptor object for every converted
+    class, reached through two classes, TorchDynamo guarded as one object by two paths,
+    one of which reads the descriptor's ``__get__``: the guard failed at once."""
 
 
 _FX_REFUSAL = (
