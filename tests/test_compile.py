@@ -898,11 +898,11 @@ def test_a_checkpointed_function_with_listed_ops_recomputes_eagerly(level: str) 
 @pytest.mark.parametrize("level", LEVELS)
 def test_bert_with_gradient_checkpointing_compiles_as_eagerly(level: str) -> None:
     """A tiny BERT with ``gradient_checkpointing_enable()``, compiled (``aot_eager``) in
-    training: forward and gradients equal the eager call's, and at the autocast level,
-    O2 and O3 its layers checkpoint in the graph as the original's do. (With one
+    training: forward and gradients equal the eager call's, and at every level its layers
+    checkpoint in the graph as the original's do, in no more graphs. (With one
     descriptor object for every converted class's ``forward``, TorchDynamo failed here
-    with "Guard failed on the same frame it was created"; at O1 the checkpointed layers
-    run outside the graph: docs/compile.md, known limits.)"""
+    with "Guard failed on the same frame it was created"; at O1 the encoder's frame, whose
+    first change of the mode stack was its layers' checkpointed body's, ran eagerly.)"""
     model = _model("bert", layers=2)
     for module in model.modules():  # (dropout off: eager and compiled draw differently)
         if isinstance(module, nn.Dropout):
@@ -926,10 +926,25 @@ def test_bert_with_gradient_checkpointing_compiles_as_eagerly(level: str) -> Non
     assert torch.equal(compiled.last_hidden_state, eager.last_hidden_state)
     got = gradients(compiled)
     for name, want in expected.items():
-        assert torch.equal(got.pop(name), want), name
+        have = got.pop(name)
+        if level == "O1":  # (a value two white-list ops take: its gradients are summed in
+            # bfloat16 eagerly, in float32 compiled, as torch.autocast's are: see
+            # test_a_weight_used_twice_sums_its_gradient_as_torch_autocast_does)
+            scale = want.abs().max().item()
+            torch.testing.assert_close(have, want, rtol=0, atol=1e-3 * scale, msg=name)
+        else:
+            assert torch.equal(have, want), name
     assert all(not grad.any() for grad in got.values())  # (the unused pooler's: zeros)
-    if level != "O1":
-        assert sum(code.count("tag_activation_checkpoint(") for code in codes) == 2
+    assert sum(code.count("tag_activation_checkpoint(") for code in codes) == 2
+
+    def original(input_ids: torch.Tensor) -> Any:
+        with torch.autocast("cpu", torch.bfloat16):
+            return model(input_ids=input_ids)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, original_codes = _compiled_with_code(original, "eager", ids)
+    assert 1 <= len(codes) <= len(original_codes)  # (the original's: 3, transformers' logger)
 
 
 class _InPlaceActivations(nn.Module):

@@ -515,6 +515,50 @@ def test_an_in_place_write_to_a_weight_inside_forward_is_kept(level: str, dtype:
     assert torch.equal(model.fc.weight[1:], untouched)  # the rest keeps its float32 bits
 
 
+class _WritesWeightAfterUse(nn.Module):
+    """Calls its layer first (its weight's cast made for the layer's kernel alone), then
+    writes into the weight it reads by name: in place, or by replacing its ``.data``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc(x)
+        weight = self.fc.weight
+        with torch.no_grad():
+            if self.how == "in place":
+                weight[0].fill_(0.5)
+            else:
+                weight.data = torch.full_like(weight, 0.5)
+        return out
+
+
+@pytest.mark.parametrize("how", ["in place", "data"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_write_into_a_weight_after_its_layer_ran_is_kept(level: str, how: str) -> None:
+    """The cast a layer's own call made is the one its weight then reads by name: a write
+    into it goes into the stored float32 weight, as it does before the layer runs."""
+    model = _WritesWeightAfterUse(how)
+    untouched = model.fc.weight[1:].detach().clone()
+    converted = amp.auto_mixed_precision(model, level, "bf16")
+    expected = amp.auto_mixed_precision(copy.deepcopy(model), level, "bf16").fc
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        out = converted(x)
+    replaced = [w for w in warned if "replaced the .data of a Parameter's" in str(w.message)]
+    assert len(replaced) == (how == "data")
+    assert len(warned) == len(replaced)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, expected(x))  # (computed before the write)
+    assert model.fc.weight.dtype == torch.float32
+    assert torch.equal(model.fc.weight[0], torch.full((4,), 0.5))
+    if how == "in place":
+        assert torch.equal(model.fc.weight[1:], untouched)  # the rest keeps its float32 bits
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("level", LEVELS)
 def test_fused_optimizer_updates_are_what_the_next_forward_uses(level: str, dtype: str) -> None:

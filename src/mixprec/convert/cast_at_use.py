@@ -91,9 +91,9 @@ from mixprec.policy.ops import (
     HIGHER_ORDER,
     cast_compiled,
     cast_tree,
+    held_under,
     only_plain_tensors,
     op_name,
-    under,
 )
 
 __all__ = [
@@ -143,8 +143,13 @@ def write_back(stored: torch.Tensor, low: torch.Tensor) -> None:
 
 #: A weight's cast in a running call: (stored, cast, the cast's version when made (-1: an
 #: inference tensor, which has no version counter), the cast's data pointer when made (-1:
-#: a fake or functional tensor))
+#: a fake or functional tensor)); both :data:`_UNSEEN` for a cast only a one-call layer's
+#: kernel has taken (:meth:`ModuleCall._direct`), which no code of the model has seen yet
 _Cast = tuple[torch.Tensor, torch.Tensor, int, int]
+#: The version and pointer of a cast no code of the model has seen: nothing can have
+#: written into it, so the write check at the call's end passes it by; its first read by
+#: the model's code records them (:func:`_seen`)
+_UNSEEN = -2
 
 
 def _flush(cast: _Cast, listed: set[int] | frozenset[int] = frozenset()) -> None:
@@ -153,7 +158,7 @@ def _flush(cast: _Cast, listed: set[int] | frozenset[int] = frozenset()) -> None
     Parameter. ``listed``: the casts ``module.parameters()`` gave out (a write into one of
     those is an update of the parameters, made in the low dtype: warned of)."""
     stored, low, version, pointer = cast
-    if low is stored:
+    if low is stored or version == _UNSEEN:
         return
     if pointer != -1 and low.data_ptr() != pointer:  # ``.data`` replaced
         if low.shape != stored.shape:
@@ -254,9 +259,13 @@ class CastState:
                     listed = frame.listed
                     for cast in frame.casts.values():
                         stored, low, version, pointer = cast  # (_flush's test, inline)
-                        if low is not stored and (
-                            (pointer != -1 and low.data_ptr() != pointer)
-                            or (version != -1 and low._version != version)
+                        if (
+                            low is not stored
+                            and version != _UNSEEN
+                            and (
+                                (pointer != -1 and low.data_ptr() != pointer)
+                                or (version != -1 and low._version != version)
+                            )
                         ):
                             _flush(cast, listed)  # (the forward wrote into a weight)
             finally:
@@ -267,19 +276,6 @@ class CastState:
                     frame.extra = None
                 frame.mode.__exit__(None, None, None)
                 frame.active = False
-
-    def low(self, tensor: torch.Tensor, frame: _Frame) -> torch.Tensor:
-        """``tensor`` in the low dtype, cast once per outermost call."""
-        hit = frame.casts.get(id(tensor))
-        if hit is not None and hit[0] is tensor:
-            # (a cast made under no_grad or inference_mode serves no use that needs its
-            # gradient or saves it for backward: see _cast_for)
-            if hit[1].requires_grad or (not tensor.requires_grad and hit[2] != -1):
-                return hit[1]
-            if not torch.is_grad_enabled():
-                return hit[1]
-            return _recast(frame, tensor, hit, self.dtype)
-        return _cast_for(frame, tensor, self.dtype)
 
 
 #: Tensor types whose calls run no ``__torch_function__`` of their own.
@@ -301,6 +297,12 @@ def _cast_for(frame: _Frame, tensor: torch.Tensor, dtype: torch.dtype) -> torch.
                 low = cast(tensor)
         else:  # (no mode on, and a Parameter's torch-function handling is off)
             low = cast(tensor)
+    frame.casts[id(tensor)] = _record(tensor, low)
+    return low
+
+
+def _record(tensor: torch.Tensor, low: torch.Tensor) -> _Cast:
+    """The record of ``low``, a cast of ``tensor`` the model's code is given now."""
     try:
         version = low._version
     except RuntimeError:  # an inference tensor has no version counter
@@ -312,7 +314,32 @@ def _cast_for(frame: _Frame, tensor: torch.Tensor, dtype: torch.dtype) -> torch.
             pointer = low.data_ptr()
         except RuntimeError:  # a functional tensor (export) has no data
             pointer = -1
-    frame.casts[id(tensor)] = (tensor, low, version, pointer)
+    return (tensor, low, version, pointer)
+
+
+def _seen(frame: _Frame, hit: _Cast) -> _Cast:
+    """``hit``, a cast of this call, about to be given to the model's code: recorded now
+    if only a one-call layer's kernel has taken it so far (:data:`_UNSEEN`)."""
+    if hit[2] != _UNSEEN:
+        return hit
+    cast = frame.casts[id(hit[0])] = _record(hit[0], hit[1])
+    return cast
+
+
+def _kernel_cast(casts: dict[int, _Cast], weight: nn.Parameter, dtype: torch.dtype) -> Any:
+    """A Parameter's cast to ``dtype`` for a one-call layer's kernel alone
+    (:meth:`ModuleCall._direct`), recorded as :data:`_UNSEEN` in the running call's
+    ``casts``: the kernel writes into none of its operands, so until the model's code
+    reads the cast (a tied weight, :func:`_seen`) there is nothing to check."""
+    low: torch.Tensor = weight
+    have = weight.dtype
+    if have is not dtype and have in _CASTABLE:
+        if _function_modes():  # (a Parameter's own torch-function handling is off)
+            with torch._C.DisableTorchFunction():  # (mixprec's casts are not the model's ops)
+                low = _CAST_METHODS[dtype](weight)
+        else:
+            low = _CAST_METHODS[dtype](weight)
+    casts[id(weight)] = (weight, low, _UNSEEN, _UNSEEN)
     return low
 
 
@@ -429,6 +456,7 @@ class LowParameters(dict[str, Any]):
             return value
         hit = frame.casts.get(id(value))
         if hit is not None and hit[0] is value:
+            hit = _seen(frame, hit)
             if hit[1].requires_grad or (not value.requires_grad and hit[2] != -1):
                 return hit[1]
             if not torch.is_grad_enabled():  # (a no-grad cast, and no grad wanted now)
@@ -474,6 +502,9 @@ _TORCH_FORWARDS = {cls: cls.forward for cls in _ONE_CALL}
 _TENSOR_TYPES = frozenset((torch.Tensor, nn.Parameter))
 
 _FOLLOW, _LOWER, _LOSS = 0, 1, 2
+
+#: a name a module's ``_parameters`` does not hold (``dict.get``'s default)
+_ABSENT: Any = object()
 
 
 def _kind(func: Callable[..., Any]) -> int:
@@ -529,7 +560,7 @@ class MixedOperands(TorchFunctionMode):
             kind = kinds[func] = _kind(func)
         if kind == _FOLLOW:
             if kinds is None and type(func) in HIGHER_ORDER and args:  # (traced only)
-                args = (functools.partial(under, self, args[0]), *args[1:])
+                args = held_under(self, args)
             return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
             kwargs = {}
@@ -1219,7 +1250,6 @@ class ModuleCall:
         weight this call has read already)."""
         cls, forward = self.direct  # type: ignore[misc]
         params = module.__dict__["_parameters"]
-        embedding = cls is nn.Embedding  # (its one Parameter: no bias)
         kind = type(module)
         if (
             kind._mixprec_exact is not kind  # type: ignore[attr-defined]  # (is_converted_exactly)
@@ -1227,15 +1257,19 @@ class ModuleCall:
             or type(params) is not LowParameters
             or params.kept
             or params.state is not self.state
-            or "weight" not in params
-            or (not embedding and "bias" not in params)
             or type(x) is not torch.Tensor
         ):
             return NotImplemented
-        if embedding and module.max_norm is not None:  # (renormalised, then cast)
-            return _renormed_lookup(module, x, self.state.dtype, frame)
-        weight = dict.__getitem__(params, "weight")
-        bias = None if embedding else dict.__getitem__(params, "bias")
+        # (``dict.get``: the stored tensors, as ``dict.__getitem__`` reads them)
+        weight = params.get("weight", _ABSENT)
+        if cls is nn.Embedding:  # (its one Parameter: no bias)
+            if weight is _ABSENT:
+                return NotImplemented
+            if module.max_norm is not None:  # (renormalised, then cast)
+                return _renormed_lookup(module, x, self.state.dtype, frame)
+            bias = None
+        else:
+            bias = params.get("bias", _ABSENT)
         casts = frame.casts
         if (
             type(weight) is not nn.Parameter
@@ -1244,9 +1278,9 @@ class ModuleCall:
         ):
             return NotImplemented  # (LowParameters.__getitem__ decides: a tied weight)
         dtype = self.state.dtype
-        weight = _cast_for(frame, weight, dtype)
+        weight = _kernel_cast(casts, weight, dtype)
         if bias is not None:
-            bias = _cast_for(frame, bias, dtype)
+            bias = _kernel_cast(casts, bias, dtype)
         if cls is nn.Linear:  # (the common case, inline)
             return F.linear(x, weight, bias)
         return _one_call(cls, module, x, weight, bias)

@@ -44,10 +44,10 @@ from mixprec.policy.ops import (
     HIGHER_ORDER,
     PLAIN_TYPES,
     cast_tree,
+    held_under,
     only_plain_tensors,
     op_key,
     op_name,
-    under,
     widest_dtype,
 )
 
@@ -287,7 +287,7 @@ class RuntimeListMode(TorchFunctionMode):
         precision = self.table.get(func, self.default)
         if precision is Precision.FOLLOW or self.suspended:
             if type(func) in HIGHER_ORDER and not self.suspended and args:
-                args = (functools.partial(under, self, args[0]), *args[1:])
+                args = held_under(self, args)
             return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
             kwargs = {}

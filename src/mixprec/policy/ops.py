@@ -303,6 +303,19 @@ HIGHER_ORDER = frozenset(
 )
 
 
+def held_under(mode: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A higher-order operator's ``args`` with its body (the first) run :func:`under`
+    ``mode``. First an equal mode is entered and left here, outside the operator: the
+    torch-function mode stack is then a state TorchDynamo knows this frame changes, and it
+    lets the body change it too (the body's own entering is otherwise the stack's first
+    change in the frame, "a mutation from outside the operator's scope", which breaks the
+    graph: a frame traced on its own after a break, as a transformers layer's
+    checkpoint is)."""
+    with mode.again():
+        pass
+    return (functools.partial(under, mode, args[0]), *args[1:])
+
+
 def under(mode: Any, body: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``body(*args, **kwargs)`` under a mode equal to ``mode`` (a higher-order operator's
     body): a new one, made inside the body (TorchDynamo refuses a body that enters a mode
