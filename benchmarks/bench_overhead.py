@@ -206,7 +206,7 @@ def time_rounds(
 def precast(converted: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
     """A diagnostic column: ``converted`` (O2/O3) with its weights cast once up front and
     read through the same bookkeeping per call (what O2/O3 would cost if a weight's cast
-    were free), by standing in for the weight-cast function during the call."""
+    were free), by standing in for the weight-cast functions during the call."""
     from mixprec.convert import cast_at_use
 
     made: dict[int, torch.Tensor] = {}
@@ -215,19 +215,25 @@ def precast(converted: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[
         if isinstance(table, cast_at_use.LowParameters):
             for _, stored in table.stored():
                 made[id(stored)] = stored.detach().to(table.state.dtype)
-    real = cast_at_use._cast_for
+    real, real_kernel = cast_at_use._cast_for, cast_at_use._kernel_cast
 
     def ready(frame: Any, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         low = made.get(id(tensor), tensor)
         frame.casts[id(tensor)] = (tensor, low, low._version, low.data_ptr())
         return low
 
+    def ready_for_kernel(casts: dict[int, Any], weight: Any, dtype: torch.dtype) -> Any:
+        low = made.get(id(weight), weight)
+        casts[id(weight)] = (weight, low, cast_at_use._UNSEEN, cast_at_use._UNSEEN)
+        return low
+
     def call() -> torch.Tensor:
         cast_at_use._cast_for = ready  # type: ignore[assignment]
+        cast_at_use._kernel_cast = ready_for_kernel
         try:
             return _call(converted, inputs)
         finally:
-            cast_at_use._cast_for = real
+            cast_at_use._cast_for, cast_at_use._kernel_cast = real, real_kernel
 
     return call
 
