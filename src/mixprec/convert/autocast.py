@@ -70,6 +70,7 @@ from mixprec.convert.dispatch import is_excluded as _is_excluded
 from mixprec.convert.dispatch import set_excluded as _set_excluded
 from mixprec.convert.plan import CastPlan, Conversion, PlanRow, RowKind
 from mixprec.convert.runtime import (
+    LOW,
     Facts,
     ForwardBase,
     RuntimeForward,
@@ -945,7 +946,7 @@ def o1_kind(module: nn.Module, region: Region) -> O1Kind:
                 or "forward" in module.__dict__
             ):  # a forward of its own (its class's, its instance's, one patched on ``cls``)
                 return O1Kind.INPUTS_LOW
-            if region.table.get(function) is Precision.LOW:
+            if region.table.get(function) == LOW:
                 return O1Kind.ONE_CALL
     return O1Kind.WHOLE
 
