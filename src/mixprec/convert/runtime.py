@@ -80,8 +80,7 @@ def _torch_functions() -> tuple[tuple[Callable[..., Any], str | Callable[..., An
 #: A decision as a table holds it: a small int for each :class:`Precision`. TorchDynamo
 #: guards an int it reads from a table by its value, in its C++ guard tree; an enum member
 #: read from a table and compared with the module's own member it guards as an alias of
-#: that member, in Python, once for each operator a compiled forward calls (29 guards on a
-#: tiny BERT at O1).
+#: that member, in Python, once for each entry of the table (29 guards on a tiny BERT at O1).
 LOW, FP32, PROMOTE, FOLLOW = 0, 1, 2, 3
 _CODES = {
     Precision.LOW: LOW,
