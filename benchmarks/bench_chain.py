@@ -71,8 +71,12 @@ def main() -> None:
         "--split", action="store_true", help="also a one-layer chain: fixed and per-layer cost"
     )
     args = parser.parse_args()
+    if args.split and args.layers < 2:
+        parser.error(f"--split needs --layers of 2 or more, got {args.layers}")
     torch.set_num_threads(1)
     x = torch.randn(*LAYERS[args.layer][1])
+    if args.grad and not any(p.requires_grad for p in chain(1, args.layer).parameters()):
+        x.requires_grad_()  # (a chain with no weights: its input carries the gradient)
     calls = columns(args.layers, args.layer, x)
     if args.split:  # (the one-layer chain's columns, timed in the same rounds)
         calls.update({f"{n} /1": c for n, c in columns(1, args.layer, x).items()})
